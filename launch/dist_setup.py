@@ -1,0 +1,183 @@
+"""The setup every lesson shares (primitives/hello_distributed.py does it all by hand).
+
+    from launch.dist_setup import lesson_parser, run, print0
+
+    def main(args, ctx):            # ctx: rank, world_size, local_rank, device, backend
+        ...
+        print0("OK: ...")
+
+    if __name__ == "__main__":
+        run(main, lesson_parser(__doc__).parse_args())
+
+Under torchrun it reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT. Started as `python lesson.py --nproc N` it spawns N processes itself,
+rendezvous on a free port of 127.0.0.1. Either way each rank picks its device and backend
+(CUDA+NCCL when every local rank has a GPU of its own, else CPU+Gloo; --backend/--device
+or DIST_BACKEND/DIST_DEVICE override), initialises the process group with a bounded
+timeout, runs main(args, ctx) and destroys the group on every path.
+"""
+import argparse
+import datetime
+import os
+import socket
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class UsageError(Exception):
+    """The lesson was started wrongly: each rank prints one line and exits with code 2."""
+
+
+@dataclass(frozen=True)
+class Context:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    def require(self, ok, message):
+        """Stop every rank with a one-line message when a start condition fails."""
+        if not ok:
+            raise UsageError(message)
+
+
+def lesson_parser(doc, default_nproc=None):
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    env = os.environ.get
+    group = parser.add_argument_group("distributed set-up (launch/dist_setup.py)")
+    group.add_argument("--nproc", type=int, default=default_nproc,
+                       help="ranks to spawn when started with plain python (default: one per GPU, else 2)")
+    group.add_argument("--backend", default=env("DIST_BACKEND"),
+                       help="gloo or nccl (env DIST_BACKEND; default: nccl if every local rank has a GPU, else gloo)")
+    group.add_argument("--device", default=env("DIST_DEVICE"),
+                       help="cpu or cuda (env DIST_DEVICE; default follows the backend)")
+    group.add_argument("--timeout", type=float, default=float(env("DIST_TIMEOUT", "60")),
+                       help="seconds a collective may wait before it fails (env DIST_TIMEOUT; default 60)")
+    return parser
+
+
+def choose_device(local_rank, local_world_size, backend=None, device=None):
+    """Return (torch.device, backend name) for this rank, or raise UsageError."""
+    accel = torch.accelerator.current_accelerator()  # None on a machine without GPUs
+    n_accel = torch.accelerator.device_count() if accel is not None else 0
+    if device is None:
+        if backend is None:
+            device = accel.type if accel is not None and n_accel >= local_world_size else "cpu"
+        else:
+            device = "cpu" if backend == "gloo" else (accel.type if accel is not None else "cuda")
+    device_type = torch.device(device).type
+    backend = backend or dist.get_default_backend_for_device(device_type)
+    if not dist.is_backend_available(backend):
+        hint = "it needs a CUDA GPU and a CUDA build of torch; " if backend == "nccl" else ""
+        raise UsageError(f"backend {backend!r} is not available here ({hint}use --backend gloo for CPU)")
+    if device_type == "cpu":
+        return torch.device("cpu"), backend
+    if accel is None or accel.type != device_type or n_accel == 0:
+        raise UsageError(f"--device {device_type} asked for, but this machine has no {device_type} device: "
+                         "use --device cpu --backend gloo")
+    if backend != "gloo" and n_accel < local_world_size:
+        raise UsageError(f"{local_world_size} ranks on this node but only {n_accel} {device_type} device(s): "
+                         f"{backend} needs one per rank; start at most {n_accel} per node or use --backend gloo")
+    return torch.device(device_type, local_rank % n_accel), backend
+
+
+def _cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def _run_rank(main, args, init=True):
+    """Run main on this process as one rank; return the exit code."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    try:
+        device, backend = choose_device(local_rank, local_world_size, args.backend, args.device)
+        if device.type == "cpu":  # share the cores, so that N ranks do not fight over them
+            torch.set_num_threads(max(1, _cores() // local_world_size))
+        else:
+            torch.accelerator.set_device_index(device.index)
+        if init:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout),
+                                    device_id=None if device.type == "cpu" else device)
+        if rank == 0:
+            print(f"[setup] {world_size} rank(s), backend {backend}, device {device.type}, "
+                  f"timeout {args.timeout:g}s, torch {torch.__version__}", flush=True)
+        main(args, Context(rank, world_size, local_rank, local_world_size, device, backend))
+        return 0
+    except UsageError as error:
+        print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _spawned(local_rank, main, args, nproc, port, init):
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
+                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    code = _run_rank(main, args, init)
+    if code:
+        sys.exit(code)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(main, args, init_process_group=True):
+    """Run main(args, ctx) on every rank: under torchrun as is, else spawn args.nproc ranks.
+
+    init_process_group=False leaves the init to main (primitives/init_methods.py).
+    """
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun, Slurm + torchrun, a platform
+        sys.exit(_run_rank(main, args, init_process_group))
+    nproc = args.nproc
+    if nproc is None:
+        wants_cpu = args.backend == "gloo" or args.device == "cpu"
+        nproc = torch.accelerator.device_count() if not wants_cpu else 0
+        nproc = nproc or 2
+    if nproc < 1:
+        sys.exit(f"error: --nproc must be at least 1, got {nproc}")
+    port = int(os.environ.get("MASTER_PORT") or free_port())
+    with socket.socket() as s:  # a named port that is taken fails here, not in a rank
+        if s.connect_ex(("127.0.0.1", port)) == 0:
+            sys.exit(f"error: port {port} on 127.0.0.1 is in use: unset MASTER_PORT or pick a free one")
+    try:
+        mp.spawn(_spawned, args=(main, args, nproc, port, init_process_group), nprocs=nproc)
+    except mp.ProcessExitedException as error:  # the rank printed its own error; pass its code on
+        sys.exit(error.exit_code if error.exit_code and error.exit_code > 0 else 1)
+    except mp.ProcessRaisedException as error:  # a bug: show the rank's traceback once
+        sys.exit(f"{error}")
+
+
+def _tag():
+    return f"[rank {dist.get_rank() if dist.is_initialized() else os.environ.get('RANK', 0)}]"
+
+
+def print_rank(*values):
+    """Print one line prefixed with this rank."""
+    print(_tag(), *values, flush=True)
+
+
+def print0(*values):
+    """Print on rank 0 only."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*values, flush=True)
+
+
+def print_in_order(*values, group=None):
+    """Every rank of group calls this; its first rank prints all lines in rank order."""
+    text = "\n".join(f"{_tag()} {line}" for line in " ".join(map(str, values)).splitlines() or [""])
+    first = dist.get_global_rank(group, 0) if group is not None else 0
+    lines = [None] * dist.get_world_size(group) if dist.get_rank() == first else None
+    dist.gather_object(text, lines, dst=first, group=group)  # pickles: fine between our own ranks
+    if lines is not None:
+        print("\n".join(lines), flush=True)

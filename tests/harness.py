@@ -1,0 +1,103 @@
+"""Run a lesson the way a user does, as a subprocess, with a hard time limit.
+
+    result = run_lesson("primitives/broadcast.py", nproc=3)              # torchrun
+    result = run_lesson("primitives/broadcast.py", nproc=3, launcher="python")  # --nproc path
+    assert_ok(result)
+
+Each run gets a free port on 127.0.0.1, so runs never collide; a run that outlives
+its time limit is killed with all its processes and the test fails with its output.
+"""
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Result:
+    command: list
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+
+    @property
+    def output(self):
+        return self.stdout + self.stderr
+
+    def __str__(self):
+        state = "TIMED OUT" if self.timed_out else f"exit code {self.returncode}"
+        return f"$ {' '.join(self.command)}\n({state})\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def lesson_env(extra=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DIST_", "TORCHELASTIC_", "SLURM_"))}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    env.update(PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+    env.update(extra or {})
+    return env
+
+
+def run_command(command, timeout=120, env=None, cwd=ROOT):
+    """Run command in its own session; on timeout kill the whole process group."""
+    proc = subprocess.Popen([str(c) for c in command], cwd=cwd, env=lesson_env(env), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        timed_out = True
+    return Result([str(c) for c in command], proc.returncode, out, err, timed_out)
+
+
+def torchrun_command(lesson, nproc, args=()):
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(ROOT / lesson), *args]
+
+
+def run_lesson(lesson, *args, nproc=2, launcher="torchrun", timeout=120, env=None):
+    """launcher: "torchrun" or "python" (the lesson spawns --nproc ranks itself)."""
+    if launcher == "torchrun":
+        command = torchrun_command(lesson, nproc, args)
+    elif launcher == "python":
+        command = [sys.executable, str(ROOT / lesson), "--nproc", str(nproc), *args]
+    else:
+        raise ValueError(f"unknown launcher {launcher!r}")
+    return run_command(command, timeout=timeout, env=env)
+
+
+def ok_lines(result):
+    return [line for line in result.stdout.splitlines() if line.startswith("OK")]
+
+
+def assert_ok(result):
+    """Exit code 0, no time-out, and exactly one line starting with OK; returns that line."""
+    assert not result.timed_out and result.returncode == 0, str(result)
+    lines = ok_lines(result)
+    assert len(lines) == 1, f"expected one OK line, got {lines}\n{result}"
+    return lines[0]
+
+
+def assert_fails(result, message, within=None):
+    """Non-zero exit, no hang, and message printed (once per rank if `within` names the ranks)."""
+    assert not result.timed_out, f"hung instead of failing\n{result}"
+    assert result.returncode != 0, f"expected a failure\n{result}"
+    assert message in result.output, f"expected {message!r} in the output\n{result}"
+    assert not ok_lines(result), f"a failed run must not print OK\n{result}"
+    if within is not None:
+        count = sum(message in line for line in result.output.splitlines())
+        assert count == within, f"expected {message!r} on {within} ranks, saw it {count} times\n{result}"

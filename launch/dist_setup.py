@@ -66,21 +66,21 @@ def choose_device(local_rank, local_world_size, backend=None, device=None):
     """Return (torch.device, backend name) for this rank, or raise UsageError."""
     accel = torch.accelerator.current_accelerator()  # None on a machine without GPUs
     n_accel = torch.accelerator.device_count() if accel is not None else 0
+    asked = f"--device {device}" if device else f"--backend {backend}"
     if device is None:
         if backend is None:
             device = accel.type if accel is not None and n_accel >= local_world_size else "cpu"
         else:
             device = "cpu" if backend == "gloo" else (accel.type if accel is not None else "cuda")
     device_type = torch.device(device).type
+    if device_type != "cpu" and (accel is None or accel.type != device_type or n_accel == 0):
+        raise UsageError(f"{asked} needs a {device_type} device and this machine has none: "
+                         "use --backend gloo (CPU)")
     backend = backend or dist.get_default_backend_for_device(device_type)
     if not dist.is_backend_available(backend):
-        hint = "it needs a CUDA GPU and a CUDA build of torch; " if backend == "nccl" else ""
-        raise UsageError(f"backend {backend!r} is not available here ({hint}use --backend gloo for CPU)")
+        raise UsageError(f"backend {backend!r} is not available in this build of torch: use --backend gloo")
     if device_type == "cpu":
         return torch.device("cpu"), backend
-    if accel is None or accel.type != device_type or n_accel == 0:
-        raise UsageError(f"--device {device_type} asked for, but this machine has no {device_type} device: "
-                         "use --device cpu --backend gloo")
     if backend != "gloo" and n_accel < local_world_size:
         raise UsageError(f"{local_world_size} ranks on this node but only {n_accel} {device_type} device(s): "
                          f"{backend} needs one per rank; start at most {n_accel} per node or use --backend gloo")
@@ -158,8 +158,12 @@ def run(main, args, init_process_group=True):
         sys.exit(f"{error}")
 
 
+def _rank():
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
 def _tag():
-    return f"[rank {dist.get_rank() if dist.is_initialized() else os.environ.get('RANK', 0)}]"
+    return f"[rank {_rank()}]"
 
 
 def print_rank(*values):
@@ -169,7 +173,7 @@ def print_rank(*values):
 
 def print0(*values):
     """Print on rank 0 only."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if _rank() == 0:
         print(*values, flush=True)
 
 

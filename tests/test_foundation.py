@@ -1,0 +1,178 @@
+"""The shared setup module and the first two lessons (primitives/hello_distributed.py,
+primitives/init_methods.py), run the way a user runs them."""
+import re
+import socket
+import time
+
+import pytest
+import torch
+
+from harness import assert_fails, assert_ok, run_lesson
+
+import launch.dist_setup as setup
+
+
+# --- the module's decisions, with the machine's accelerators simulated ---------------------
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Pretend this machine has n CUDA devices and a CUDA build of torch."""
+    def pretend(n):
+        monkeypatch.setattr(torch.accelerator, "current_accelerator",
+                            lambda *a, **k: torch.device("cuda") if n else None)
+        monkeypatch.setattr(torch.accelerator, "device_count", lambda: n)
+        monkeypatch.setattr(setup.dist, "is_backend_available", lambda b: b == "gloo" or (b == "nccl" and n > 0))
+    return pretend
+
+
+def test_cpu_only_machine_picks_gloo(gpus):
+    gpus(0)
+    assert setup.choose_device(0, 4) == (torch.device("cpu"), "gloo")
+
+
+def test_one_gpu_per_rank_picks_nccl(gpus):
+    gpus(8)
+    assert setup.choose_device(5, 8) == (torch.device("cuda", 5), "nccl")
+
+
+def test_fewer_gpus_than_ranks_falls_back_to_cpu(gpus):
+    gpus(2)
+    assert setup.choose_device(1, 4) == (torch.device("cpu"), "gloo")
+
+
+def test_nccl_forced_with_fewer_gpus_than_ranks_is_an_error(gpus):
+    gpus(2)
+    with pytest.raises(setup.UsageError, match="4 ranks on this node but only 2 cuda device"):
+        setup.choose_device(0, 4, backend="nccl")
+
+
+def test_nccl_without_gpu_is_an_error(gpus):
+    gpus(0)
+    with pytest.raises(setup.UsageError, match="--backend nccl needs a cuda device and this machine has none"):
+        setup.choose_device(0, 2, backend="nccl")
+
+
+def test_cuda_device_without_gpu_is_an_error(gpus):
+    gpus(0)
+    with pytest.raises(setup.UsageError, match="--device cuda needs a cuda device and this machine has none"):
+        setup.choose_device(0, 2, device="cuda")
+
+
+def test_gloo_lets_ranks_share_a_gpu(gpus):
+    gpus(1)
+    assert setup.choose_device(2, 3, backend="gloo", device="cuda") == (torch.device("cuda", 0), "gloo")
+
+
+def test_gloo_alone_means_cpu_even_with_gpus(gpus):
+    gpus(4)
+    assert setup.choose_device(0, 4, backend="gloo") == (torch.device("cpu"), "gloo")
+
+
+def test_device_alone_picks_its_default_backend(gpus):
+    gpus(4)
+    assert setup.choose_device(3, 4, device="cuda") == (torch.device("cuda", 3), "nccl")
+    assert setup.choose_device(3, 4, device="cpu") == (torch.device("cpu"), "gloo")
+
+
+def test_environment_variables_set_the_defaults(monkeypatch):
+    monkeypatch.setenv("DIST_BACKEND", "gloo")
+    monkeypatch.setenv("DIST_DEVICE", "cpu")
+    monkeypatch.setenv("DIST_TIMEOUT", "7")
+    args = setup.lesson_parser("doc").parse_args([])
+    assert (args.backend, args.device, args.timeout) == ("gloo", "cpu", 7.0)
+
+
+def assert_no_rank_traceback(result, launcher):
+    """Expected errors print one line per rank; only torchrun's own failure report remains."""
+    assert result.output.count("Traceback") == (1 if launcher == "torchrun" else 0), result
+
+
+# --- hello_distributed.py -----------------------------------------------------------------
+
+def rank_lines(result, pattern):
+    return [int(m.group(1)) for m in re.finditer(pattern, result.stdout, re.MULTILINE)]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "python"])
+@pytest.mark.parametrize("nproc", [1, 2, 3, 4])
+def test_hello_distributed(nproc, launcher):
+    result = run_lesson("primitives/hello_distributed.py", nproc=nproc, launcher=launcher)
+    ok = assert_ok(result)
+    assert f"= {nproc * (nproc - 1) // 2} = n(n-1)/2" in ok
+    assert rank_lines(result, rf"^rank (\d+)/{nproc} ") == list(range(nproc)), result  # in rank order
+    assert f"torchrun={launcher == 'torchrun'}" in result.stdout
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "python"])
+def test_hello_distributed_nccl_without_gpu_fails_fast_on_every_rank(launcher):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    start = time.monotonic()
+    result = run_lesson("primitives/hello_distributed.py", "--backend", "nccl", nproc=2, launcher=launcher)
+    assert_fails(result, "error: NCCL needs one CUDA GPU per rank", within=2)
+    assert time.monotonic() - start < 15
+    assert_no_rank_traceback(result, launcher)
+
+
+# --- init_methods.py ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["env", "tcp", "file", "store"])
+def test_init_methods(method):
+    result = run_lesson("primitives/init_methods.py", "--init-method", method, nproc=3)
+    assert f"OK: init by {method} gave the same result: sum 3, squares [0, 1, 4]" == assert_ok(result)
+
+
+def test_init_by_file_twice_in_a_row_reuses_nothing(tmp_path):
+    path = tmp_path / "store_file"
+    for _ in range(2):  # the same file name twice: works only if the first run removed it
+        assert_ok(run_lesson("primitives/init_methods.py", "--init-method", "file", "--file", path, nproc=3))
+        assert not path.exists()
+
+
+def test_init_methods_all_in_one_run_spawned():
+    ok = assert_ok(run_lesson("primitives/init_methods.py", nproc=2, launcher="python"))
+    assert "env, tcp, file, store" in ok
+
+
+def test_unknown_init_method_is_rejected():
+    result = run_lesson("primitives/init_methods.py", "--init-method", "carrier-pigeon", nproc=2)
+    assert_fails(result, "invalid choice: 'carrier-pigeon'", within=2)
+
+
+# --- the module's behaviour on bad input, through a small fixture script ------------------
+
+FIXTURE = "tests/fixtures/skip_collective.py"
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "python"])
+def test_backend_nccl_without_gpu_is_one_line_per_rank(launcher):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    start = time.monotonic()
+    result = run_lesson(FIXTURE, "--mode", "ranks", "--backend", "nccl", nproc=3, launcher=launcher)
+    assert_fails(result, "error: --backend nccl needs a cuda device and this machine has none", within=3)
+    assert time.monotonic() - start < 15
+    assert_no_rank_traceback(result, launcher)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "python"])
+def test_too_few_ranks_is_one_line(launcher):
+    result = run_lesson(FIXTURE, "--mode", "ranks", nproc=1, launcher=launcher)
+    assert_fails(result, "error: needs at least 2 ranks", within=1)
+
+
+def test_a_missing_rank_is_a_timeout_not_a_hang():
+    start = time.monotonic()
+    result = run_lesson(FIXTURE, "--mode", "hang", "--timeout", "3", nproc=3, timeout=90)
+    assert_fails(result, "rank")
+    assert time.monotonic() - start < 60
+
+
+def test_port_in_use_is_one_line():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run_lesson(FIXTURE, "--mode", "ranks", nproc=2, launcher="python",
+                            env={"MASTER_PORT": str(port)})
+    assert_fails(result, f"error: port {port} on 127.0.0.1 is in use")

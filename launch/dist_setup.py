@@ -72,7 +72,10 @@ def choose_device(local_rank, local_world_size, backend=None, device=None):
             device = accel.type if accel is not None and n_accel >= local_world_size else "cpu"
         else:
             device = "cpu" if backend == "gloo" else (accel.type if accel is not None else "cuda")
-    device_type = torch.device(device).type
+    try:
+        device_type = torch.device(device).type
+    except RuntimeError:
+        raise UsageError(f"unknown device {device!r}: use cpu or cuda") from None
     if device_type != "cpu" and (accel is None or accel.type != device_type or n_accel == 0):
         raise UsageError(f"{asked} needs a {device_type} device and this machine has none: "
                          "use --backend gloo (CPU)")
@@ -106,7 +109,10 @@ def _run_rank(main, args, init=True):
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout),
                                     device_id=None if device.type == "cpu" else device)
         if rank == 0:
-            print(f"[setup] {world_size} rank(s), backend {backend}, device {device.type}, "
+            gpus = torch.accelerator.device_count()
+            auto_cpu = device.type == "cpu" and gpus and not (args.backend or args.device)
+            why = f" ({local_world_size} ranks/node > {gpus} GPUs)" if auto_cpu else ""
+            print(f"[setup] {world_size} rank(s), backend {backend}, device {device.type}{why}, "
                   f"timeout {args.timeout:g}s, torch {torch.__version__}", flush=True)
         main(args, Context(rank, world_size, local_rank, local_world_size, device, backend))
         return 0

@@ -1,0 +1,75 @@
+"""all_reduce: combine one tensor from every rank and give every rank the result, in place.
+
+Before: rank r holds x_r.  After all_reduce(t, op): every rank holds op(x_0, ..., x_{N-1}),
+element by element. Each ReduceOp below is checked against numpy on the full data:
+  SUM, PRODUCT, MIN, MAX   any dtype
+  AVG                      floating point only (Gloo and NCCL)
+  BAND, BOR, BXOR          integers, bitwise and/or/xor: Gloo only (NCCL has no bitwise op:
+                           its op table in ProcessGroupNCCL.cpp is MIN, MAX, SUM, PRODUCT, AVG)
+  PREMUL_SUM               NCCL only: sum of factor * x_r, fused (used to scale gradients)
+
+    torchrun --nproc_per_node=4 primitives/all_reduce.py
+    python primitives/all_reduce.py --nproc 3
+
+Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_reduce
+      https://pytorch.org/docs/stable/distributed.html#torch.distributed.ReduceOp
+"""
+import numpy as np
+import torch
+import torch.distributed as dist
+from launch.dist_setup import lesson_parser, print0, print_in_order, run
+
+
+def main(args, ctx):
+    rank, world, n = ctx.rank, ctx.world_size, args.size
+    i = np.arange(n)
+    # What each rank starts with, per op (values chosen so products and bits stay readable).
+    data = {
+        "SUM": lambda r: 100 * r + i,
+        "PRODUCT": lambda r: r + 1 + i,
+        "MIN": lambda r: 100 * r + i,
+        "MAX": lambda r: 100 * r + i,
+        "AVG": lambda r: (100 * r + i).astype(np.float32),
+        "BAND": lambda r: (0b1111 ^ (1 << r)) | i,  # every bit set but bit r, then or'ed with i
+        "BOR": lambda r: (1 << r) + 0 * i,          # only bit r
+        "BXOR": lambda r: r + i,
+    }
+    numpy_op = {
+        "SUM": lambda a: a.sum(0), "PRODUCT": lambda a: a.prod(0), "MIN": lambda a: a.min(0),
+        "MAX": lambda a: a.max(0), "AVG": lambda a: a.mean(0), "BAND": np.bitwise_and.reduce,
+        "BOR": np.bitwise_or.reduce, "BXOR": np.bitwise_xor.reduce,
+    }
+    done = []
+    for name, make in data.items():
+        if name.startswith("B") and ctx.backend == "nccl":
+            print0(f"{name}: skipped, NCCL has no bitwise reductions")
+            continue
+        t = torch.from_numpy(make(rank)).to(ctx.device)
+        before = t.tolist()
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, name))
+        print_in_order(f"{name:8s} before {before}  after {t.tolist()}")
+        expected = numpy_op[name](np.stack([make(r) for r in range(world)]))
+        if not np.allclose(t.cpu().numpy(), expected):
+            raise RuntimeError(f"all_reduce {name} gave {t.tolist()}, numpy gives {expected.tolist()}")
+        done.append(name)
+
+    # PREMUL_SUM multiplies each input by a factor before summing; only NCCL implements it.
+    if ctx.backend == "nccl":
+        factor = 1.0 / world
+        t = 100.0 * rank + torch.arange(n, dtype=torch.float32, device=ctx.device)
+        dist.all_reduce(t, op=dist._make_nccl_premul_sum(factor))  # private helper: NCCL only
+        expected = factor * np.stack([100.0 * r + i for r in range(world)]).sum(0)
+        if not np.allclose(t.cpu().numpy(), expected):
+            raise RuntimeError(f"PREMUL_SUM gave {t.tolist()}, expected {expected.tolist()}")
+        print_in_order(f"PREMUL_SUM(1/{world}) after {t.tolist()}")
+        done.append("PREMUL_SUM")
+    else:
+        print0(f"PREMUL_SUM: skipped, {ctx.backend} does not implement it (NCCL only)")
+
+    print0(f"OK: all_reduce with {', '.join(done)} over {world} rank(s) matches numpy on every rank")
+
+
+if __name__ == "__main__":
+    parser = lesson_parser(__doc__)
+    parser.add_argument("--size", type=int, default=3, help="elements per rank")
+    run(main, parser.parse_args())

@@ -1,0 +1,70 @@
+"""all_to_all: every rank sends a different piece to every rank (a transpose across ranks).
+
+Rank s holds one piece per destination d, valued 100*s + 10*d + i. After all_to_all,
+rank d holds, in rank order, the piece every s addressed to it: the tens digit is now
+the same everywhere on a rank, the hundreds digit says where a piece came from.
+This is the exchange of expert parallelism (tokens to experts) and of Ulysses sequence
+parallelism.
+  - list form, all_to_all(out_list, in_list)
+  - one tensor, all_to_all_single(out, inp), even splits
+  - uneven: input_split_sizes[d] = how much this rank sends to d,
+            output_split_sizes[s] = how much it receives from s (both must agree pairwise).
+    Here rank s sends s + 2*d + 1 elements to rank d.
+
+    torchrun --nproc_per_node=4 primitives/all_to_all.py
+    python primitives/all_to_all.py --nproc 3
+
+Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_to_all
+      https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_to_all_single
+"""
+import torch
+import torch.distributed as dist
+from launch.dist_setup import lesson_parser, print0, print_in_order, run
+
+
+def piece(s, d, length):
+    """What rank s sends to rank d: readable from its digits."""
+    return 100 * s + 10 * d + torch.arange(length)
+
+
+def main(args, ctx):
+    rank, world, n, dev = ctx.rank, ctx.world_size, args.size, ctx.device
+
+    # 1. List form.
+    inputs = [piece(rank, d, n).to(dev) for d in range(world)]
+    outputs = [torch.empty(n, dtype=torch.int64, device=dev) for _ in range(world)]
+    print_in_order(f"before: sends {[t.tolist() for t in inputs]}")
+    dist.all_to_all(outputs, inputs)
+    print_in_order(f"all_to_all (list): {[t.tolist() for t in outputs]}")
+    expected = torch.stack([piece(s, rank, n) for s in range(world)])  # built by hand from the full data
+    if not torch.equal(torch.stack(outputs).cpu(), expected):
+        raise RuntimeError(f"all_to_all gave {[t.tolist() for t in outputs]}, expected {expected.tolist()}")
+
+    # 2. One tensor, even splits: piece d is inp[d*n:(d+1)*n].
+    out = torch.empty(world * n, dtype=torch.int64, device=dev)
+    dist.all_to_all_single(out, torch.cat(inputs))
+    print_in_order(f"all_to_all_single: {out.tolist()}")
+    if not torch.equal(out.view(world, n).cpu(), expected):
+        raise RuntimeError(f"all_to_all_single gave {out.tolist()}, expected {expected.flatten().tolist()}")
+
+    # 3. Uneven splits: both sides must know the sizes (exchange them first if they are data-dependent).
+    count = lambda s, d: s + 2 * d + 1
+    in_splits = [count(rank, d) for d in range(world)]
+    out_splits = [count(s, rank) for s in range(world)]
+    inp = torch.cat([piece(rank, d, count(rank, d)) for d in range(world)]).to(dev)
+    out = torch.empty(sum(out_splits), dtype=torch.int64, device=dev)
+    dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits)
+    print_in_order(f"uneven: sends {in_splits} -> receives {out_splits}: "
+                   f"{[p.tolist() for p in out.cpu().split(out_splits)]}")
+    expected = torch.cat([piece(s, rank, count(s, rank)) for s in range(world)])
+    if not torch.equal(out.cpu(), expected):
+        raise RuntimeError(f"uneven all_to_all_single gave {out.tolist()}, expected {expected.tolist()}")
+
+    print0(f"OK: all_to_all (list), all_to_all_single and its uneven splits transposed the pieces "
+           f"of {world} ranks as computed by hand")
+
+
+if __name__ == "__main__":
+    parser = lesson_parser(__doc__)
+    parser.add_argument("--size", type=int, default=2, help="elements per piece (even forms)")
+    run(main, parser.parse_args())

@@ -1,0 +1,53 @@
+"""reduce_scatter: reduce across ranks, then give each rank one slice of the result.
+
+Every rank holds N pieces; after reduce_scatter rank r holds the sum over ranks of
+piece r. It is the first half of a ring all_reduce (all_gather is the second half),
+and what FSDP / ZeRO use to give each rank the gradient shard it owns.
+Here rank s holds piece j = 100*s + 10*j + i, so rank r's result is
+sum over s of (100*s + 10*r + i).
+  - list form, reduce_scatter(out, [piece_0, ..., piece_{N-1}])
+  - one tensor, reduce_scatter_single(out, inp): inp is the N pieces concatenated.
+    Its older name is reduce_scatter_tensor (deprecated in torch 2.13, still works).
+
+    torchrun --nproc_per_node=4 primitives/reduce_scatter.py
+    python primitives/reduce_scatter.py --nproc 3
+
+Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.reduce_scatter
+      https://pytorch.org/docs/stable/distributed.html#torch.distributed.reduce_scatter_tensor
+"""
+import torch
+import torch.distributed as dist
+from launch.dist_setup import lesson_parser, print0, print_in_order, run
+
+
+def main(args, ctx):
+    rank, world, n = ctx.rank, ctx.world_size, args.size
+    reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    i = torch.arange(n)
+    # The full data: full[s, j] is piece j on rank s. Rank r must end with full[:, r].sum(0).
+    full = torch.stack([torch.stack([100 * s + 10 * j + i for j in range(world)]) for s in range(world)])
+    expected = full[:, rank].sum(dim=0)
+
+    pieces = [(100 * rank + 10 * j + i).to(ctx.device) for j in range(world)]
+    print_in_order(f"before: {[p.tolist() for p in pieces]}")
+
+    out = torch.empty(n, dtype=torch.int64, device=ctx.device)
+    dist.reduce_scatter(out, pieces, op=dist.ReduceOp.SUM)
+    print_in_order(f"reduce_scatter (list):  piece {rank} summed over ranks = {out.tolist()}")
+    if not torch.equal(out.cpu(), expected):
+        raise RuntimeError(f"reduce_scatter gave {out.tolist()}, expected {expected.tolist()}")
+
+    out2 = torch.empty(n, dtype=torch.int64, device=ctx.device)
+    reduce_scatter_single(out2, torch.cat(pieces), op=dist.ReduceOp.SUM)
+    print_in_order(f"reduce_scatter_single:  piece {rank} summed over ranks = {out2.tolist()}")
+    if not torch.equal(out2.cpu(), expected):
+        raise RuntimeError(f"reduce_scatter_single gave {out2.tolist()}, expected {expected.tolist()}")
+
+    print0(f"OK: reduce_scatter (list) and reduce_scatter_single gave each of {world} ranks "
+           "the sum over ranks of its own piece")
+
+
+if __name__ == "__main__":
+    parser = lesson_parser(__doc__)
+    parser.add_argument("--size", type=int, default=2, help="elements per piece")
+    run(main, parser.parse_args())

@@ -1,0 +1,127 @@
+"""Pipeline parallelism: the GPT's blocks split into stages, one stage per rank.
+
+Rank 0 holds the embeddings and the first blocks, the last rank the last blocks, the final
+norm and the head; activations flow forward with send/recv, gradients flow back. A batch is
+cut into micro-batches so that stages work at the same time; the schedule says in which
+order each stage runs forward (F) and backward (B) of each micro-batch:
+  GPipe   all F, then all B: simple, holds the activations of every micro-batch;
+  1F1B    after a warm-up, one F then one B: the same bubble, at most p micro-batches held.
+Either way a stage idles (p-1) of (m+p-1) time slots (p stages, m micro-batches): the
+bubble, printed below. The check: each step's loss and the updated parameters equal
+single-process training of the whole model on the whole batch.
+
+    torchrun --nproc_per_node=2 transformer_basics/pipeline_parallel.py
+    python transformer_basics/pipeline_parallel.py --nproc 4 --schedule 1f1b --microbatches 8
+
+Docs: https://pytorch.org/docs/stable/distributed.pipelining.html
+"""
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+import data
+from launch.dist_setup import lesson_parser, print0, print_in_order, run
+from model import GPT, add_model_args, config_from_args
+
+
+def cut_stage(model, rank, stages):
+    """Keep this stage's part of the model: the layers are shared out as evenly as possible.
+    Deleting (not re-wrapping) keeps parameter names, so they match the whole model's."""
+    n = model.cfg.n_layer
+    mine = range(rank * n // stages, (rank + 1) * n // stages)
+    for name in list(model.blocks.keys()):
+        if int(name) not in mine:
+            del model.blocks[name]
+    if rank != 0:
+        model.wte = model.wpe = None           # forward() then takes hidden states
+    if rank != stages - 1:
+        model.ln_f = model.lm_head = None      # forward() then returns hidden states
+    return model
+
+
+def loss_fn(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def main(args, ctx):
+    p, m, rank = ctx.world_size, args.microbatches, ctx.rank
+    ctx.require(p >= 2, "a pipeline needs at least 2 stages: run with --nproc_per_node=2 or more")
+    ctx.require(args.n_layer >= p, f"--n-layer {args.n_layer} is fewer than the {p} stages: each stage needs a block")
+    ctx.require(args.batch_size % m == 0, f"--batch-size {args.batch_size} must be a multiple of --microbatches {m}")
+    ctx.require(args.schedule != "1f1b" or m >= p, f"1F1B needs at least as many micro-batches as stages: "
+                                                  f"--microbatches {m} < {p}")
+    cfg = config_from_args(args)
+    torch.manual_seed(args.seed)
+    reference = GPT(cfg).to(ctx.device)       # the whole model, trained in one process, for the check
+    stage_model = cut_stage(copy.deepcopy(reference), rank, p)
+    print_in_order(f"stage {rank}: {', '.join(n for n, _ in stage_model.named_children() if getattr(stage_model, n) is not None)}"
+                   f" (blocks {', '.join(stage_model.blocks.keys())})")
+
+    stage = PipelineStage(stage_model, rank, p, ctx.device)
+    schedule_class = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
+    # The schedule splits the batch into m micro-batches and scales each loss by 1/m, so the
+    # gradients are those of the mean loss over the whole batch.
+    schedule = schedule_class(stage, n_microbatches=m, loss_fn=loss_fn)
+    # Weight tying across stages: the embedding (first stage) and the head (last stage) are one
+    # matrix in the whole model; here they are two copies, kept equal by summing their gradients.
+    tie_group = dist.new_group([0, p - 1])      # every rank calls new_group, members or not
+    tied = stage_model.wte.weight if rank == 0 else stage_model.lm_head.weight if rank == p - 1 else None
+
+    opt = torch.optim.SGD(stage_model.parameters(), lr=args.lr)   # SGD: see tensor_parallel.py
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=args.lr)
+    windows = data.ShardedWindows(data.encode(data.generate_corpus(2000)), cfg.block_size, 0, 1, args.seed)
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))  # lm_head.weight too
+    worst_loss = worst_param = 0.0
+    for step in range(args.steps):
+        x, y = (t.to(ctx.device) for t in windows.batch(step, 0, args.batch_size))
+        losses = []                             # filled on the last stage, one per micro-batch
+        if rank == 0:
+            schedule.step(x)                    # the first stage feeds the inputs...
+        elif rank == p - 1:
+            schedule.step(target=y, losses=losses)  # ...the last one the targets
+        else:
+            schedule.step()
+        if tied is not None:
+            dist.all_reduce(tied.grad, group=tie_group)
+        opt.step()
+        opt.zero_grad()
+
+        ref_loss = loss_fn(reference(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+        loss = torch.stack(losses).mean() if rank == p - 1 else torch.zeros((), device=ctx.device)
+        dist.broadcast(loss, src=p - 1)         # the loss is known on the last stage only
+        worst_loss = max(worst_loss, abs(loss.item() - ref_loss.item()))
+        for name, param in stage_model.named_parameters():
+            diff = (param - ref_params[name]).abs().max().item()
+            if diff > args.tol:
+                raise RuntimeError(f"step {step}: stage {rank}'s {name} differs from single-process training by {diff:.2e}")
+            worst_param = max(worst_param, diff)
+        print0(f"step {step}: loss {loss.item():.4f} (single process {ref_loss.item():.4f})")
+    if worst_loss > args.tol:
+        raise RuntimeError(f"the pipeline's loss differs from single-process training by {worst_loss:.2e}")
+    worst = torch.tensor(worst_param, device=ctx.device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    bubble = (p - 1) / (m + p - 1)
+    print0(f"bubble: (p-1)/(m+p-1) = {p - 1}/{m + p - 1} = {bubble:.0%} of each stage's time idle "
+           f"({p} stages, {m} micro-batches)")
+    print0(f"OK: {args.schedule} pipeline of {p} stages x {m} micro-batches: losses and parameters of {args.steps} "
+           f"steps equal single-process training (max diff {worst_loss:.1e} loss, {worst.item():.1e} parameters)")
+
+
+if __name__ == "__main__":
+    parser = lesson_parser(__doc__)
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=0.2)
+    parser.add_argument("--tol", type=float, default=2e-5, help="largest difference accepted (float32)")
+    parser.add_argument("--seed", type=int, default=0)
+    add_model_args(parser, n_layer=4, n_embd=64, block_size=32)
+    run(main, parser.parse_args())

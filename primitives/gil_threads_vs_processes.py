@@ -86,9 +86,9 @@ def main(args, ctx):
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"{n} units of {work} loop iterations; {cores} core(s) here, load average {load:.1f} "
           f"(other jobs take cores from the processes); GIL {'on' if gil else 'off'}")
-    print(f"  serial, 1 thread:       {serial:7.3f}s")
-    print(f"  {n} threads, 1 process: {threads_time:7.3f}s  speed-up {serial / threads_time:.2f}x")
-    print(f"  {n} processes:          {processes:7.3f}s  speed-up {serial / processes:.2f}x "
+    print(f"  {'serial, 1 thread:':<24}{serial:7.3f}s")
+    print(f"  {f'{n} threads, 1 process:':<24}{threads_time:7.3f}s  speed-up {serial / threads_time:.2f}x")
+    print(f"  {f'{n} processes:':<24}{processes:7.3f}s  speed-up {serial / processes:.2f}x "
           f"(at most min(ranks, cores) = {min(n, cores)}x)")
     print(f"OK: every unit's result matched the formula; {n} threads ran {serial / threads_time:.2f}x "
           f"and {n} processes {serial / processes:.2f}x as fast as serial ({cores} cores)", flush=True)

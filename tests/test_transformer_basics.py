@@ -1,0 +1,178 @@
+"""transformer_basics/: the GPT, its data, and its training with DDP, FSDP, TP, PP and FSDP x TP."""
+import re
+import sys
+
+import pytest
+import torch
+from harness import ROOT, assert_fails, assert_ok, run_command, run_lesson
+
+sys.path.insert(0, str(ROOT / "transformer_basics"))
+import data  # noqa: E402  (transformer_basics/data.py, imported in this process: no ranks needed)
+
+TIMEOUT = 240
+# A few steps of a 2-layer GPT; accum 2 exercises no_sync / set_requires_gradient_sync.
+SMALL = ["--steps", "8", "--warmup", "2", "--batch-size", "4", "--accum", "2", "--n-layer", "2",
+         "--eval-every", "4", "--eval-batches", "2", "--log-every", "2", "--sample-tokens", "0"]
+
+
+def losses(output):
+    """(first, last) train loss and (first, last) val loss from the summary line."""
+    m = re.search(r"train loss ([\d.]+) -> ([\d.]+), val loss ([\d.]+) -> ([\d.]+)", output)
+    assert m, f"no summary line in\n{output}"
+    a, b, c, d = map(float, m.groups())
+    return (a, b), (c, d)
+
+
+def load_model(path):
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+
+
+# ---- data.py, in this process ----
+
+def test_windows_are_disjoint_across_ranks_and_steps():
+    tokens = torch.arange(10_000)
+    world, batch, accum = 3, 4, 2
+    seen = []
+    for step in range(3):
+        for micro in range(accum):
+            for rank in range(world):
+                w = data.ShardedWindows(tokens, 16, rank, world, seed=1)
+                x, y = w.batch(step, micro, batch, accum)
+                assert torch.equal(x[:, 1:], y[:, :-1])  # y is x shifted by one
+                seen += w.indices(step, micro, batch, accum)
+    assert len(seen) == len(set(seen)) == 3 * accum * world * batch  # no window read twice within an epoch
+
+
+def test_generated_corpus_is_deterministic_and_small_enough():
+    text = data.generate_corpus()
+    assert text == data.generate_corpus() and 100_000 < len(text.encode()) < 1_000_000
+    assert data.decode(data.encode("héllo")) == "héllo"
+
+
+# ---- train.py: none / ddp / fsdp, loss falls, resume is exact ----
+
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory):
+    """An uninterrupted SMALL run per mode, made once and shared by the tests below."""
+    cache = {}
+
+    def get(parallel):
+        if parallel not in cache:
+            out = tmp_path_factory.mktemp(parallel)
+            result = run_lesson("transformer_basics/train.py", "--parallel", parallel, *SMALL, "--out", out,
+                                nproc=1 if parallel == "none" else 2, timeout=TIMEOUT)
+            assert_ok(result)
+            cache[parallel] = result, out
+        return cache[parallel]
+    return get
+
+
+@pytest.mark.parametrize("parallel,nproc", [("none", 1), ("ddp", 2), ("fsdp", 2)])
+def test_train_loss_falls_and_resume_is_exact(parallel, nproc, whole_run, tmp_path):
+    first, whole = whole_run(parallel)
+    (train0, train1), (val0, val1) = losses(first.stdout)
+    assert train1 < train0 - 0.5 and val1 < val0 - 0.5, first.stdout
+
+    # The same run, interrupted after 5 steps, then resumed from its checkpoint (python launcher).
+    args = ["--parallel", parallel, *SMALL, "--out", tmp_path]
+    assert_ok(run_lesson("transformer_basics/train.py", *args, "--stop-after", "5", nproc=nproc,
+                         launcher="python", timeout=TIMEOUT))
+    resumed = run_lesson("transformer_basics/train.py", *args, "--resume", nproc=nproc, timeout=TIMEOUT)
+    assert_ok(resumed)
+    assert "resumed at step 5" in resumed.stdout
+    assert losses(resumed.stdout)[1][1] == val1  # the same final validation loss, to the printed digit
+    a, b = load_model(whole / "model.pt"), load_model(tmp_path / "model.pt")
+    assert a.keys() == b.keys()
+    for name in a:  # bit-exact: same data, same order of operations, restored optimizer and RNG
+        assert torch.equal(a[name], b[name]), f"{parallel}: {name} differs after resume"
+
+
+def test_ddp_and_fsdp_train_the_same_model(whole_run):
+    a, b = load_model(whole_run("ddp")[1] / "model.pt"), load_model(whole_run("fsdp")[1] / "model.pt")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
+
+
+def test_generate_samples_from_the_exported_model(whole_run):
+    result = run_command([sys.executable, ROOT / "transformer_basics/generate.py", "--checkpoint",
+                          whole_run("fsdp")[1] / "model.pt", "--tokens", "40"], timeout=TIMEOUT)
+    assert_ok(result)
+    assert re.search(r"sample:\n  the ", result.stdout)
+    assert_fails(run_command([sys.executable, ROOT / "transformer_basics/generate.py", "--checkpoint",
+                              ROOT / "no/such/model.pt"]), "no checkpoint at")
+
+
+@pytest.mark.parametrize("content,message", [(None, "no such file"), ("", "is empty"),
+                                             ("too short", "shorter than")])
+def test_bad_data_gives_one_line_on_every_rank(content, message, tmp_path):
+    path = tmp_path / "text.txt"
+    if content is not None:
+        path.write_text(content)
+    result = run_lesson("transformer_basics/train.py", "--data", path, "--out", tmp_path / "out", nproc=2,
+                        launcher="python", timeout=TIMEOUT)
+    assert_fails(result, message)
+    # once per rank (counted in the text: two ranks' stderr lines can interleave without a newline)
+    assert result.output.count(message) == 2
+    assert result.returncode == 2 and "Traceback" not in result.output
+
+
+def test_train_on_a_user_file_and_usage_errors(tmp_path):
+    text = tmp_path / "poem.txt"
+    text.write_text("roses are red, violets are blue; sugar is sweet, and so are you.\n" * 60)
+    result = run_lesson("transformer_basics/train.py", "--data", text, *SMALL, "--out", tmp_path / "o",
+                        nproc=1, launcher="python", timeout=TIMEOUT)
+    assert_ok(result)
+    for args, message in [(["--parallel", "none"], "--parallel none trains one process"),
+                          (["--resume", "--out", tmp_path / "nothing"], "--resume: no checkpoint")]:
+        result = run_lesson("transformer_basics/train.py", *args, nproc=2, timeout=TIMEOUT)
+        assert_fails(result, message)
+        assert result.output.count(message) == 2
+
+
+# ---- tensor, pipeline and 2-D parallelism: equal to the unsharded model ----
+
+@pytest.mark.parametrize("nproc,extra", [(2, []), (4, ["--sequence-parallel"])])
+def test_tensor_parallel_equals_unsharded(nproc, extra):
+    ok = assert_ok(run_lesson("transformer_basics/tensor_parallel.py", *extra, nproc=nproc, timeout=TIMEOUT))
+    assert f"on {nproc} rank(s)" in ok
+    logits, grads = map(float, re.search(r"max diff ([\d.e+-]+) logits, ([\d.e+-]+) gradients", ok).groups())
+    assert logits < 2e-5 and grads < 2e-5
+
+
+def test_tensor_parallel_refuses_heads_that_do_not_divide():
+    result = run_lesson("transformer_basics/tensor_parallel.py", "--n-head", "4", "--n-embd", "64", nproc=3,
+                        launcher="python", timeout=TIMEOUT)
+    assert_fails(result, "must be a multiple of the 3 ranks")
+    assert result.output.count("must be a multiple of the 3 ranks") == 3
+
+
+@pytest.mark.parametrize("nproc,schedule,micro", [(2, "gpipe", 4), (4, "1f1b", 4)])
+def test_pipeline_parallel_equals_single_process(nproc, schedule, micro):
+    result = run_lesson("transformer_basics/pipeline_parallel.py", "--schedule", schedule, "--microbatches",
+                        str(micro), nproc=nproc, timeout=TIMEOUT)
+    ok = assert_ok(result)
+    assert f"{schedule} pipeline of {nproc} stages" in ok
+    bubble = re.search(r"= (\d+)/(\d+) = ", result.stdout).groups()
+    assert bubble == (str(nproc - 1), str(micro + nproc - 1))
+
+
+def test_train_2d_matches_unsharded_and_learns(tmp_path):
+    result = run_lesson("transformer_basics/train_2d.py", *SMALL, "--n-layer", "2", "--sequence-parallel",
+                        "--out", tmp_path, nproc=4, timeout=TIMEOUT)
+    ok = assert_ok(result)
+    assert "2x2 mesh" in ok
+    worst = float(re.search(r"check: step 0's gradients equal .* \(max diff ([\d.e+-]+)\)", result.stdout).group(1))
+    assert worst < 2e-5
+    (train0, train1), (val0, val1) = losses(result.stdout)
+    assert val1 < val0 - 0.5
+    assert (tmp_path / "model.pt").is_file() and (tmp_path / "checkpoint").is_dir()
+
+
+def test_benchmark_prints_a_table(tmp_path):
+    result = run_lesson("transformer_basics/benchmark.py", "--steps", "3", "--warmup", "1", "--n-layer", "1",
+                        "--n-embd", "48", "--block-size", "32", nproc=2, timeout=TIMEOUT)
+    assert_ok(result)
+    rows = re.findall(r"^\| (none|ddp|fsdp|tp) \| 2 \| ([\d,]+) \| ([\d.]+) \| ([\d.]+) \|", result.stdout, re.M)
+    assert [r[0] for r in rows] == ["none", "ddp", "fsdp", "tp"]
+    state = {r[0]: float(r[3]) for r in rows}
+    assert state["fsdp"] < 0.6 * state["ddp"]  # FSDP holds about half of everything on 2 ranks

@@ -1,0 +1,130 @@
+"""Issue 4 lessons: ring/tree all-reduce, weight sync, backend matrix, benchmark, hangs, GIL."""
+import csv
+import json
+import math
+import re
+
+import pytest
+from harness import assert_fails, assert_ok, run_lesson
+
+T = 240  # seconds: generous, the CI machine is shared
+
+
+# ring_all_reduce.py: lengths that do not divide by N, and lengths smaller than N.
+@pytest.mark.parametrize("nproc", [2, 3, 4, 5])
+def test_ring_all_reduce(nproc):
+    sizes = [1, 3, 7, 1001]  # 1 and 3 are smaller than some N; 7 and 1001 divide by none of 2..5
+    result = run_lesson("primitives/ring_all_reduce.py", "--sizes", ",".join(map(str, sizes)), "--iters", "1",
+                        nproc=nproc, timeout=T)
+    line = assert_ok(result)
+    assert f"on {nproc} ranks" in line
+    rows = [line.split() for line in result.stdout.splitlines() if re.match(r"\s*\d+\s+\d+\s", line)]
+    assert [int(r[0]) for r in rows] == sizes, result.stdout
+    for r in rows:  # steps counted by the lesson's own loops
+        assert int(r[1]) == 2 * (nproc - 1), r
+        assert int(r[4]) == 2 * math.ceil(math.log2(nproc)), r
+
+
+def test_ring_all_reduce_python_launcher_and_bad_sizes():
+    assert_ok(run_lesson("primitives/ring_all_reduce.py", "--sizes", "2,65537", "--iters", "1",
+                         nproc=3, launcher="python", timeout=T))
+    assert_fails(run_lesson("primitives/ring_all_reduce.py", "--sizes", "4,0", nproc=2, timeout=T),
+                 "--sizes must be positive integers", within=2)
+
+
+# weight_sync.py: one trainer, N-1 workers, bit-for-bit after every step.
+@pytest.mark.parametrize("nproc,launcher", [(2, "python"), (3, "torchrun"), (4, "torchrun")])
+def test_weight_sync(nproc, launcher):
+    result = run_lesson("primitives/weight_sync.py", "--steps", "2", nproc=nproc, launcher=launcher, timeout=T)
+    line = assert_ok(result)
+    assert "bit for bit" in line
+    assert f"-> {nproc - 1} worker(s)" in result.stdout
+    per = re.search(r"per-parameter broadcast:\s+([\d.]+) ms per sync \((\d+) calls\)", result.stdout)
+    buck = re.search(r"bucketed broadcast:\s+([\d.]+) ms per sync \((\d+) calls\)", result.stdout)
+    speedup = re.search(r"speed-up of bucketed over per-parameter: ([\d.]+)x", result.stdout)
+    assert per and buck and speedup, result.stdout
+    assert int(buck.group(2)) < int(per.group(2))  # fewer calls: that is the point of buckets
+    assert float(speedup.group(1)) == pytest.approx(float(per.group(1)) / float(buck.group(1)), rel=0.02)
+
+
+def test_weight_sync_needs_a_worker():
+    assert_fails(run_lesson("primitives/weight_sync.py", nproc=1, launcher="python", timeout=T),
+                 "needs at least 2 ranks", within=1)
+
+
+# backend_matrix.py: only what runs here is filled in.
+def test_backend_matrix():
+    result = run_lesson("primitives/backend_matrix.py", nproc=2, timeout=T)
+    assert_ok(result)
+    rows = {line.split("|")[1].strip().strip("`"): [c.strip() for c in line.split("|")[2:-1]]
+            for line in result.stdout.splitlines() if line.startswith("| `")}
+    assert len(rows) >= 30
+    for call in ["broadcast", "all_reduce", "all_gather", "send / recv", "ReduceOp.MAX", "monitored_barrier",
+                 "all_gather_object"]:
+        assert rows[call][0] == "yes", (call, rows[call])
+    premul = next(v for k, v in rows.items() if k.startswith("ReduceOp.PREMUL_SUM"))
+    assert premul[0].startswith("no (")  # NCCL-only; the reason is printed below the table
+    assert "PREMUL_SUM with Gloo" in result.stdout
+    if "0 GPU(s)" in result.stdout:
+        assert all(v[1] == v[2] == "not available here" for v in rows.values())
+    assert "Made with torch" in result.stdout
+
+
+# benchmark_collectives.py: nccl-tests busbw factors, machine-readable output, a check that bites.
+FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+           "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+           "broadcast": lambda n: 1, "reduce": lambda n: 1, "sendrecv": lambda n: 1}
+
+
+@pytest.mark.parametrize("nproc,extra", [(2, []), (4, ["--max-bytes", "16K", "--iters", "2"])])
+def test_benchmark_collectives(nproc, extra, tmp_path):
+    out_json, out_csv = tmp_path / "b.json", tmp_path / "b.csv"
+    result = run_lesson("primitives/benchmark_collectives.py", *extra, "--json", out_json, "--csv", out_csv,
+                        nproc=nproc, timeout=T)
+    assert_ok(result)
+    records = json.loads(out_json.read_text())
+    assert {r["op"] for r in records} == set(FACTORS)
+    with open(out_csv) as f:
+        assert len(list(csv.DictReader(f))) == len(records)
+    for r in records:
+        assert r["ranks"] == nproc and r["bytes"] % (4 * nproc) == 0
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * FACTORS[r["op"]](nproc), rel=1e-9)
+        assert r["algbw_GBps"] == pytest.approx(r["bytes"] / (r["time_us"] * 1e-6) / 1e9, rel=1e-9)
+    printed = [row for row in (l.split() for l in result.stdout.splitlines()) if row[:1] and row[0] in FACTORS]
+    assert len(printed) == len(records) and all(row[-1] == "ok" for row in printed)
+
+
+def test_benchmark_check_catches_a_wrong_value():
+    result = run_lesson("primitives/benchmark_collectives.py", "--ops", "all_reduce,all_gather", "--max-bytes", "4K",
+                        "--corrupt-for-testing", nproc=2, launcher="python", timeout=T)
+    assert_fails(result, "wrong result of all_gather")
+    assert "returned a wrong value" in result.output
+
+
+# debug_hangs.py: every part ends, and the missing rank is named.
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_debug_hangs(nproc):
+    result = run_lesson("primitives/debug_hangs.py", nproc=nproc, timeout=T)
+    line = assert_ok(result)
+    missing = nproc - 1
+    assert f"monitored_barrier named missing rank {missing}" in line
+    assert f"Ranks {missing} failed to pass monitoredBarrier" in result.stdout
+    assert f"DETAIL raised {2 * nproc} mismatch errors" in line
+    assert f"ended {nproc - 1} hung rank(s)" in line
+    assert "in part_d" in result.stdout and "py-spy dump --pid" in result.stdout
+
+
+def test_debug_hangs_other_missing_rank_and_bad_rank():
+    result = run_lesson("primitives/debug_hangs.py", "--parts", "a,c", "--missing-rank", "1", nproc=3, timeout=T)
+    assert "named missing rank 1" in assert_ok(result)
+    assert "Ranks 1 failed to pass monitoredBarrier" in result.stdout
+    assert_fails(run_lesson("primitives/debug_hangs.py", "--missing-rank", "0", nproc=2, launcher="python",
+                            timeout=T), "--missing-rank must be between 1 and 1", within=2)
+
+
+# gil_threads_vs_processes.py: runs, checks its work, prints the three timings.
+def test_gil_threads_vs_processes():
+    result = run_lesson("primitives/gil_threads_vs_processes.py", "--work", "200000", nproc=2, timeout=T)
+    assert_ok(result)
+    for label in ["serial, 1 thread:", "2 threads, 1 process:", "2 processes:"]:
+        assert re.search(re.escape(label) + r"\s+[\d.]+s", result.stdout), label

@@ -108,7 +108,7 @@ def main(args, ctx):
         losses[mode] = loss
         rows.append((mode, tokens_per_step / step_time, step_time * 1e3, state, peak))
     base_tps = dict((r[0], r[1]) for r in rows).get("none")
-    print0(f"\n| mode | ranks | tokens/s | ms/step | state MB/rank | peak {ctx.device.type} MB/rank | vs none |")
+    print0(f"\n| mode | ranks | tokens/s | ms/step | state MB/rank | peak GPU MB/rank | vs none |")
     print0("|---|---|---|---|---|---|---|")
     for mode, tps, ms, state, peak in rows:
         rel = f"{tps / base_tps:.2f}" if base_tps else "-"

@@ -97,7 +97,7 @@ def part_b(ctx, timeout, missing):
     dist.destroy_process_group(shapes_group)
     dist.destroy_process_group(order_group)
     print_in_order(f"shape mismatch: {shapes}\norder mismatch: {order}")
-    errors = torch.tensor([caught])
+    errors = torch.tensor([caught], device=ctx.device)  # the default group may be NCCL
     dist.all_reduce(errors)
     if errors.item() != 2 * ctx.world_size:
         raise RuntimeError(f"DETAIL should have raised 2 errors on each of {ctx.world_size} ranks, saw {errors.item()}")
@@ -121,7 +121,7 @@ def part_c(ctx, timeout, missing):
     dist.barrier()
     dist.destroy_process_group(side)
     print_in_order(f"all_reduce: {outcome}")
-    count = torch.tensor([timed_out])
+    count = torch.tensor([timed_out], device=ctx.device)
     dist.all_reduce(count)
     if count.item() != ctx.world_size - 1:
         raise RuntimeError(f"expected {ctx.world_size - 1} ranks to time out, saw {count.item()}")
@@ -151,7 +151,7 @@ def part_d(ctx, timeout, missing):
     dumps.close()
     shown = "\n".join(frames) if ctx.rank != missing else "not stuck: no stack asked for"
     print_in_order(f"pid {os.getpid()}; Python stack taken by SIGUSR1 while waiting (frames in this file):\n{shown}")
-    ok = torch.tensor([int(ctx.rank == missing or any("part_d" in f for f in frames))])
+    ok = torch.tensor([int(ctx.rank == missing or any("part_d" in f for f in frames))], device=ctx.device)
     dist.all_reduce(ok)
     if ok.item() != ctx.world_size:
         raise RuntimeError("a stuck rank's faulthandler dump did not show where it waited (part_d)")

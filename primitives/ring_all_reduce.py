@@ -84,6 +84,9 @@ def main(args, ctx):
     ctx.require(args.iters >= 1, "--iters must be at least 1")
     rank, world = ctx.rank, ctx.world_size
     sizes = [int(s) for s in args.sizes.split(",")]
+    # With NCCL the first batch_isend_irecv of a group must involve every rank, and a ring step on a
+    # tensor shorter than N may leave a rank nothing to send: a collective first sets the group up.
+    dist.barrier()
 
     def sync():
         if ctx.device.type != "cpu":

@@ -28,8 +28,10 @@ def test_ring_all_reduce(nproc):
 def test_ring_all_reduce_python_launcher_and_bad_sizes():
     assert_ok(run_lesson("primitives/ring_all_reduce.py", "--sizes", "2,65537", "--iters", "1",
                          nproc=3, launcher="python", timeout=T))
-    assert_fails(run_lesson("primitives/ring_all_reduce.py", "--sizes", "4,0", nproc=2, timeout=T),
-                 "--sizes must be positive integers", within=2)
+    result = run_lesson("primitives/ring_all_reduce.py", "--sizes", "4,0", nproc=2, timeout=T)
+    assert_fails(result, "--sizes must be positive integers")
+    # Counted in the whole output, not per line: with PYTHONUNBUFFERED two ranks' lines can interleave.
+    assert result.output.count("--sizes must be positive integers") == 2, str(result)
 
 
 # weight_sync.py: one trainer, N-1 workers, bit-for-bit after every step.
@@ -49,7 +51,7 @@ def test_weight_sync(nproc, launcher):
 
 def test_weight_sync_needs_a_worker():
     assert_fails(run_lesson("primitives/weight_sync.py", nproc=1, launcher="python", timeout=T),
-                 "needs at least 2 ranks", within=1)
+                 "needs at least 2 ranks (a trainer and a worker)", within=1)
 
 
 # backend_matrix.py: only what runs here is filled in.
@@ -118,8 +120,9 @@ def test_debug_hangs_other_missing_rank_and_bad_rank():
     result = run_lesson("primitives/debug_hangs.py", "--parts", "a,c", "--missing-rank", "1", nproc=3, timeout=T)
     assert "named missing rank 1" in assert_ok(result)
     assert "Ranks 1 failed to pass monitoredBarrier" in result.stdout
+    # python launcher: mp.spawn may stop rank 1 before it prints, so only "fails with the message" is checked
     assert_fails(run_lesson("primitives/debug_hangs.py", "--missing-rank", "0", nproc=2, launcher="python",
-                            timeout=T), "--missing-rank must be between 1 and 1", within=2)
+                            timeout=T), "--missing-rank must be between 1 and 1")
 
 
 # gil_threads_vs_processes.py: runs, checks its work, prints the three timings.

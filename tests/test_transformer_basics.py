@@ -13,6 +13,7 @@ TIMEOUT = 240
 # A few steps of a 2-layer GPT; accum 2 exercises no_sync / set_requires_gradient_sync.
 SMALL = ["--steps", "8", "--warmup", "2", "--batch-size", "4", "--accum", "2", "--n-layer", "2",
          "--eval-every", "4", "--eval-batches", "2", "--log-every", "2", "--sample-tokens", "0"]
+DROPOUT = ["--dropout", "0.1"]  # draws random numbers: an exact resume must restore the RNG too
 
 
 def losses(output):
@@ -59,8 +60,8 @@ def whole_run(tmp_path_factory):
     def get(parallel):
         if parallel not in cache:
             out = tmp_path_factory.mktemp(parallel)
-            result = run_lesson("transformer_basics/train.py", "--parallel", parallel, *SMALL, "--out", out,
-                                nproc=1 if parallel == "none" else 2, timeout=TIMEOUT)
+            result = run_lesson("transformer_basics/train.py", "--parallel", parallel, *SMALL, *DROPOUT,
+                                "--out", out, nproc=1 if parallel == "none" else 2, timeout=TIMEOUT)
             assert_ok(result)
             cache[parallel] = result, out
         return cache[parallel]
@@ -74,7 +75,7 @@ def test_train_loss_falls_and_resume_is_exact(parallel, nproc, whole_run, tmp_pa
     assert train1 < train0 - 0.5 and val1 < val0 - 0.5, first.stdout
 
     # The same run, interrupted after 5 steps, then resumed from its checkpoint (python launcher).
-    args = ["--parallel", parallel, *SMALL, "--out", tmp_path]
+    args = ["--parallel", parallel, *SMALL, *DROPOUT, "--out", tmp_path]
     assert_ok(run_lesson("transformer_basics/train.py", *args, "--stop-after", "5", nproc=nproc,
                          launcher="python", timeout=TIMEOUT))
     resumed = run_lesson("transformer_basics/train.py", *args, "--resume", nproc=nproc, timeout=TIMEOUT)

@@ -6,7 +6,8 @@
   tp    tensor parallel over all ranks (tensor_parallel.py): each rank holds 1/N of every
         block's matrices and processes the whole global batch
 Every mode takes the same global batch per step (batch-size windows per rank), so tokens/s
-compare directly. "state" is what each rank holds of parameters + gradients + AdamW moments
+compare directly. The modes are timed in turns, one step each, so that other work on the
+machine slows them alike; a step time is the median over steps of the slowest rank. "state" is what each rank holds of parameters + gradients + AdamW moments
 (counted from the local tensors); on a GPU the peak allocated memory is measured too.
 The check: ddp, fsdp and tp train one model on one global batch, so their losses must agree.
 
@@ -56,34 +57,12 @@ def state_bytes(model):
     return 4 * sum(t.numel() * t.element_size() for t in local)
 
 
-def measure(mode, base, batches, args, ctx):
-    model, opt = build(mode, base, ctx)
-    if ctx.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(ctx.device)
-
-    def sync():
-        if ctx.device.type != "cpu":
-            torch.accelerator.synchronize()
-
-    loss = None
-    for step, (x, y) in enumerate(batches):
-        if step == args.warmup:
-            sync()
-            dist.barrier()
-            t0 = time.perf_counter()
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    sync()
-    seconds = torch.tensor(time.perf_counter() - t0)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # a step is done when the slowest rank is
-    step_time = seconds.item() / (len(batches) - args.warmup)
-    peak = torch.cuda.max_memory_allocated(ctx.device) / 2**20 if ctx.device.type == "cuda" else None
-    final = loss.detach().clone()
-    if mode != "tp":
-        dist.all_reduce(final, op=dist.ReduceOp.AVG)  # the mean loss over the global batch
-    return step_time, state_bytes(model) / 2**20, peak, final.item()
+def train_step(model, opt, x, y):
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
 
 
 def main(args, ctx):
@@ -100,13 +79,45 @@ def main(args, ctx):
     global_ = [tuple(t.to(ctx.device) for t in whole.batch(s, 0, args.batch_size * n)) for s in range(args.steps)]
     tokens_per_step = args.batch_size * cfg.block_size * n
     print0(f"model: {base.num_params() / 1e6:.2f}M parameters, {cfg}; {n} rank(s), {ctx.device.type}, "
-           f"{tokens_per_step} tokens/step, {args.steps - args.warmup} timed steps after {args.warmup} warm-up")
+           f"{tokens_per_step} tokens/step, median of {args.steps - args.warmup} timed steps after {args.warmup} warm-up")
+
+    def sync():
+        if ctx.device.type != "cpu":
+            torch.accelerator.synchronize()
+
+    # Build every mode and warm it up, one after the other (peak memory: what this mode added).
+    runs = {}
+    for mode in args.modes:
+        batches = global_ if mode == "tp" else per_rank
+        if ctx.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+        before = torch.cuda.memory_allocated(ctx.device) if ctx.device.type == "cuda" else 0
+        model, opt = build(mode, base, ctx)
+        for x, y in batches[:args.warmup]:
+            train_step(model, opt, x, y)
+        sync()
+        peak = (torch.cuda.max_memory_allocated(ctx.device) - before) / 2**20 if ctx.device.type == "cuda" else None
+        runs[mode] = dict(model=model, opt=opt, batches=batches, peak=peak, times=[], loss=None)
+    # Then time them in turns, step by step: load from other jobs hits every mode alike.
+    for step in range(args.warmup, args.steps):
+        for mode, r in runs.items():
+            x, y = r["batches"][step]
+            sync()
+            t0 = time.perf_counter()
+            r["loss"] = train_step(r["model"], r["opt"], x, y)
+            sync()
+            r["times"].append(time.perf_counter() - t0)
 
     rows, losses = [], {}
-    for mode in args.modes:
-        step_time, state, peak, loss = measure(mode, base, global_ if mode == "tp" else per_rank, args, ctx)
-        losses[mode] = loss
-        rows.append((mode, tokens_per_step / step_time, step_time * 1e3, state, peak))
+    for mode, r in runs.items():
+        times = torch.tensor(r["times"])
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step is done when the slowest rank is done
+        step_time = times.median().item()  # the median: robust to a burst of other work
+        loss = r["loss"].clone()
+        if mode != "tp":
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # the mean loss over the global batch
+        losses[mode] = loss.item()
+        rows.append((mode, tokens_per_step / step_time, step_time * 1e3, state_bytes(r["model"]) / 2**20, r["peak"]))
     base_tps = dict((r[0], r[1]) for r in rows).get("none")
     print0(f"\n| mode | ranks | tokens/s | ms/step | state MB/rank | peak GPU MB/rank | vs none |")
     print0("|---|---|---|---|---|---|---|")
@@ -125,7 +136,7 @@ def main(args, ctx):
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=MODES)
-    parser.add_argument("--steps", type=int, default=12, help="steps per mode, warm-up included")
+    parser.add_argument("--steps", type=int, default=20, help="steps per mode, warm-up included")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=8, help="windows per rank per step")
     parser.add_argument("--tol", type=float, default=1e-3, help="largest loss spread accepted between modes")

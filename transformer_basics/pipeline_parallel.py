@@ -57,8 +57,8 @@ def main(args, ctx):
     torch.manual_seed(args.seed)
     reference = GPT(cfg).to(ctx.device)       # the whole model, trained in one process, for the check
     stage_model = cut_stage(copy.deepcopy(reference), rank, p)
-    print_in_order(f"stage {rank}: {', '.join(n for n, _ in stage_model.named_children() if getattr(stage_model, n) is not None)}"
-                   f" (blocks {', '.join(stage_model.blocks.keys())})")
+    held = [name for name, module in stage_model.named_children() if module is not None]
+    print_in_order(f"stage {rank}: {', '.join(held)} (blocks {', '.join(stage_model.blocks.keys())})")
 
     stage = PipelineStage(stage_model, rank, p, ctx.device)
     schedule_class = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B

@@ -246,8 +246,9 @@ def main(args, ctx):
     if ctx.rank == 0 and args.sample_tokens:  # the exported model, in this process alone (as generate.py)
         sampler = GPT(cfg)
         sampler.load_state_dict(torch.load(out / "model.pt", map_location="cpu", weights_only=True)["model"])
-        prompt = data.encode("the ")[None]
-        text = data.decode(sampler.eval().generate(prompt, args.sample_tokens, temperature=0.8, top_k=10)[0])
+        prompt = data.encode("the ")[None].to(ctx.device)
+        sample = sampler.to(ctx.device).eval().generate(prompt, args.sample_tokens, temperature=0.8, top_k=10)
+        text = data.decode(sample[0].tolist())
         print("sample:\n  " + text.replace("\n", "\n  "))
     if val_last >= val_first:
         raise RuntimeError(f"the validation loss did not fall: {val_first:.3f} -> {val_last:.3f}")

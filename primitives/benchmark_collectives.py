@@ -88,7 +88,8 @@ def main(args, ctx):
     except (ValueError, IndexError):
         lo = hi = 0
     ctx.require(0 < lo <= hi, "--min-bytes and --max-bytes must be sizes like 1024, 64K, 1M, 8G with min <= max")
-    ctx.require(args.factor >= 2 and args.iters >= 1 and args.warmup >= 0, "need --factor >= 2, --iters >= 1, --warmup >= 0")
+    ctx.require(args.factor >= 2 and args.iters >= 1 and args.warmup >= 0,
+                "need --factor >= 2, --iters >= 1, --warmup >= 0")
     rank, n, dtype = ctx.rank, ctx.world_size, getattr(torch, args.dtype)
     esize = torch.tensor([], dtype=dtype).element_size()
     tolerance = {torch.float32: 1e-6, torch.float64: 1e-12}.get(dtype, 1e-2)
@@ -105,7 +106,8 @@ def main(args, ctx):
     rows = []
     print0(f"# {n} ranks, backend {ctx.backend}, device {ctx.device.type}, dtype {args.dtype}, "
            f"warmup {args.warmup}, iters {args.iters}")
-    print0(f"{'op':>14} {'size(B)':>11} {'count':>10} {'time(us)':>10} {'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'check':>5}")
+    print0(f"{'op':>14} {'size(B)':>11} {'count':>10} {'time(us)':>10} {'algbw(GB/s)':>11} "
+           f"{'busbw(GB/s)':>11} {'check':>5}")
     for op in ops:
         for size in sizes:
             count = max(n, size // esize // n * n)  # whole elements, divisible by n (as nccl-tests)

@@ -40,7 +40,8 @@ def expected(n):  # the same sum by a formula: i*i % 7 repeats with period 7
 
 
 def main(args, ctx):
-    ctx.require(ctx.world_size >= 2, "needs at least 2 ranks (the processes to compare): run with --nproc_per_node=2 or more")
+    ctx.require(ctx.world_size >= 2,
+                "needs at least 2 ranks (the processes to compare): run with --nproc_per_node=2 or more")
     ctx.require(args.work >= 1, "--work must be at least 1")
     rank, n, work = ctx.rank, ctx.world_size, args.work
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

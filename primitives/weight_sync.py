@@ -53,7 +53,8 @@ def buckets_of(params, bucket_bytes):
 
 
 def main(args, ctx):
-    ctx.require(ctx.world_size >= 2, "needs at least 2 ranks (a trainer and a worker): run with --nproc_per_node=2 or more")
+    ctx.require(ctx.world_size >= 2,
+                "needs at least 2 ranks (a trainer and a worker): run with --nproc_per_node=2 or more")
     ctx.require(args.layers >= 1 and args.width >= 1 and args.steps >= 1, "--layers, --width and --steps must be >= 1")
     ctx.require(args.bucket_mb > 0, "--bucket-mb must be positive")
     rank, world, trainer = ctx.rank, ctx.world_size, 0

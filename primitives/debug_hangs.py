@@ -42,6 +42,7 @@ def part_a(ctx, timeout, missing):
     """monitored_barrier: rank 0 waits for a message from every rank and names the absent."""
     side = dist.new_group(backend="gloo", timeout=timeout)
     outcome = "skipped the barrier (the bug under study)"
+    dist.barrier()  # start together: on a loaded machine a late (but present) rank would be named too
     if ctx.rank != missing:
         try:
             dist.monitored_barrier(group=side, timeout=timeout, wait_all_ranks=True)
@@ -68,8 +69,11 @@ def part_b(ctx, timeout, missing):
     before = os.environ.get("TORCH_DISTRIBUTED_DEBUG")
     os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     dist.set_debug_level_from_env()
-    shapes_group = dist.new_group(backend="gloo", timeout=timeout)
-    order_group = dist.new_group(backend="gloo", timeout=timeout)
+    # A mismatch is reported at once; the longer timeout only covers the wrapper's own pre-check,
+    # in which every rank must arrive (a loaded machine may delay one by a few seconds).
+    slack = max(timeout, datetime.timedelta(seconds=30))
+    shapes_group = dist.new_group(backend="gloo", timeout=slack)
+    order_group = dist.new_group(backend="gloo", timeout=slack)
     if before is None:
         del os.environ["TORCH_DISTRIBUTED_DEBUG"]
     else:
@@ -111,6 +115,7 @@ def part_b(ctx, timeout, missing):
 def part_c(ctx, timeout, missing):
     """A short timeout on the group: the ranks that wait get an exception instead of a hang."""
     side = dist.new_group(backend="gloo", timeout=timeout)
+    dist.barrier()
     timed_out, outcome, start = 0, "skipped the all_reduce (the bug under study)", time.perf_counter()
     if ctx.rank != missing:
         try:
@@ -136,13 +141,16 @@ def part_d(ctx, timeout, missing):
     side = dist.new_group(backend="gloo", timeout=timeout)
     dumps = tempfile.TemporaryFile("w+")
     faulthandler.register(signal.SIGUSR1, file=dumps, all_threads=True)  # put this in your training script
+    dist.barrier()
     if ctx.rank != missing:
         # From a shell this is `kill -USR1 PID`; here a timer does it while the rank is stuck.
-        threading.Timer(timeout.total_seconds() / 2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        timer = threading.Timer(timeout.total_seconds() / 2, os.kill, (os.getpid(), signal.SIGUSR1))
+        timer.start()
         try:
             dist.broadcast(torch.ones(4), src=missing, group=side)  # the source never sends: stuck
         except RuntimeError:
             pass  # part (c) showed this error; here we want the stack taken while it waited
+        timer.join()  # the signal must arrive while our handler is registered (default action: exit)
     dist.barrier()
     dist.destroy_process_group(side)
     faulthandler.unregister(signal.SIGUSR1)

@@ -252,6 +252,9 @@ def main(args, ctx):
             elapsed = time.perf_counter() - t0
             bar.set_postfix(loss=f"{train_losses[-1][1]:.3f}", lr=f"{scheduler.get_last_lr()[0]:.1e}",
                             tok_s=f"{(step - start + 1) * tokens_per_step / elapsed:,.0f}")
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < stop:
+            out.mkdir(parents=True, exist_ok=True)
+            save_checkpoint(model, optimizer, scheduler, step + 1, args, ctx, ckpt_path)  # a collective
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < stop:
             val_last = evaluate()
             if ctx.rank == 0:
@@ -310,6 +313,7 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="autocast dtype; auto: bf16 on a GPU that has it, float32 on CPU (bf16 is slower there)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (off by default)")
+    parser.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: at the end only)")
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--eval-batches", type=int, default=4)
     parser.add_argument("--log-every", type=int, default=10)

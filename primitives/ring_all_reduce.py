@@ -137,10 +137,10 @@ def main(args, ctx):
         print0(f"{n:>9} {rs:>10} {rb:>12.3f} {rt:>8.3f}  {ts:>10} {tb:>12.3f} {tt:>8.3f}  {library_ms:>13.3f}")
 
     print0(f"Ring: 2(N-1) = {2 * (world - 1)} steps, the busiest rank sends 2(N-1)/N of the tensor. Tree: "
-           f"2 ceil(log2 N) = {2 * math.ceil(math.log2(world))} steps, rank 0 sends the whole tensor each step. "
+           f"2 ceil(log2 N) = {2 * math.ceil(math.log2(world))} steps, rank 0 sends the whole tensor at each broadcast step. "
            "Where each step costs a fixed latency (small tensors) fewer steps win; where bytes cost most (large "
            "tensors, many ranks, real links) the ring's fewer bytes win. Read the columns above: on one "
-           "loaded CPU host both costs are blurred; the README's table says what GPUs show.")
+           "loaded CPU host both costs are blurred; primitives/README.md has the cost model.")
     print0(f"OK: ring and tree all-reduce built from send/recv equal dist.all_reduce and a plain sum bit for bit "
            f"on {world} ranks at sizes {sizes}")
 

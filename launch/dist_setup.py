@@ -117,7 +117,8 @@ def _run_rank(main, args, init=True):
         main(args, Context(rank, world_size, local_rank, local_world_size, device, backend))
         return 0
     except UsageError as error:
-        print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"[rank {rank}] error: {error}\n")  # one write: ranks' lines never mix
+        sys.stderr.flush()
         return 2
     finally:
         if dist.is_initialized():

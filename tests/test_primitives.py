@@ -1,0 +1,95 @@
+"""Every primitives/ lesson of issue 3, run the way a user runs it: torchrun at world sizes
+2, 3 and 4, `python lesson.py --nproc N` once each, and the bad starts that must fail cleanly."""
+import re
+
+import pytest
+
+from harness import assert_fails, assert_ok, run_lesson
+
+TIMEOUT = 240  # the CI machine is small and shared: a launch takes seconds, a hang is caught
+
+# lesson -> {world size: extra arguments}; sizes not listed run with the defaults.
+LESSONS = {
+    "point_to_point.py": {},
+    "deadlock.py": {},
+    "async_point_to_point.py": {},
+    "ring_exchange.py": {4: ["--size", "1"]},
+    "broadcast.py": {3: ["--src", "2"]},
+    "reduce.py": {4: ["--dst", "3"]},
+    "all_reduce.py": {},
+    "gather.py": {3: ["--dst", "1"]},
+    "all_gather.py": {},
+    "scatter.py": {4: ["--src", "3"]},
+    "reduce_scatter.py": {},
+    "all_to_all.py": {},
+    "barrier.py": {},
+    "async_collectives.py": {},
+    "object_collectives.py": {},
+    "process_groups.py": {},
+    "device_mesh.py": {4: ["--tp", "4"]},
+    "stores.py": {},
+    "distributed_softmax.py": {3: ["--size", "7"]},
+}
+# The size each lesson is started at with plain python (spread over 2, 3 and 4).
+PYTHON_NPROC = {name: (2, 3, 2, 4)[i % 4] for i, name in enumerate(LESSONS)}
+
+TORCHRUN_CASES = [(name, n) for name in LESSONS for n in (2, 3, 4)]
+
+
+def check_output(name, nproc, result, ok):
+    """Figures from the output that must hold, beyond the lesson's own checks."""
+    out = result.stdout
+    if name == "deadlock.py":
+        # every rank's send-first attempt ended by the short timeout, not by luck or a hang
+        assert f"deadlocked {nproc} of {nproc} ranks" in ok, ok
+        waits = [float(w) for w in re.findall(r"first, then recv: after ([\d.]+)s", out)]
+        assert len(waits) == nproc and max(waits) < 30, out
+    elif name == "all_reduce.py":
+        assert all(op in ok for op in ["SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR"]), ok
+        assert "PREMUL_SUM: skipped" in out
+    elif name == "device_mesh.py":
+        dp, tp = map(int, re.search(r"(\d+) x (\d+) mesh", ok).groups())
+        assert dp * tp == nproc, ok
+    elif name == "object_collectives.py":
+        assert float(re.search(r"took ([\d.]+)x the tensor one", ok).group(1)) > 0, ok
+    elif name == "stores.py":
+        assert re.search(rf"add\(\) counted {nproc} arrivals", ok), ok
+    # before/after lines come from every rank, in rank order
+    ranks = [int(r) for r in re.findall(r"^\[rank (\d+)\]", out, re.M)]
+    assert set(ranks) == set(range(nproc)), out
+
+
+@pytest.mark.parametrize("name,nproc", TORCHRUN_CASES, ids=[f"{n}-np{k}" for n, k in TORCHRUN_CASES])
+def test_lesson_under_torchrun(name, nproc):
+    extra = LESSONS[name].get(nproc, [])
+    result = run_lesson(f"primitives/{name}", *extra, nproc=nproc, timeout=TIMEOUT)
+    check_output(name, nproc, result, assert_ok(result))
+
+
+@pytest.mark.parametrize("name", list(LESSONS))
+def test_lesson_with_plain_python(name):
+    nproc = PYTHON_NPROC[name]
+    result = run_lesson(f"primitives/{name}", nproc=nproc, launcher="python", timeout=TIMEOUT)
+    check_output(name, nproc, result, assert_ok(result))
+
+
+def test_one_rank_is_refused_where_a_peer_is_needed():
+    result = run_lesson("primitives/point_to_point.py", nproc=1, launcher="python", timeout=TIMEOUT)
+    assert_fails(result, "needs at least 2 ranks", within=1)
+
+
+def test_mesh_that_does_not_factor_is_a_one_line_error_on_every_rank():
+    result = run_lesson("primitives/device_mesh.py", "--tp", "2", nproc=3, timeout=TIMEOUT)
+    assert_fails(result, "--tp 2 does not divide the world size 3", within=3)
+    assert result.output.count("Traceback") == 1, result  # torchrun's own report, none from a rank
+
+
+def test_broadcast_from_a_rank_that_does_not_exist_fails_cleanly():
+    result = run_lesson("primitives/broadcast.py", "--src", "2", nproc=2, launcher="python", timeout=TIMEOUT)
+    assert_fails(result, "--src 2 is not a rank of a 2-rank world", within=2)
+
+
+def test_barrier_check_catches_a_missing_barrier():
+    # Without the barrier the readers look before local rank 0 has written: the lesson must notice.
+    result = run_lesson("primitives/barrier.py", "--no-barrier", "--delay", "3", nproc=2, timeout=TIMEOUT)
+    assert_fails(result, "does not exist yet")

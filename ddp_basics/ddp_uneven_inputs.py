@@ -1,0 +1,95 @@
+"""Ranks with different numbers of batches: the hang, and the Join context manager that fixes it.
+
+Every backward of a DDP model all_reduces the gradients, a collective that every rank must
+join. If rank 0 runs out of data first, the others wait in that all_reduce for a partner
+that never comes: a hang (until the group's timeout). Here that is shown on a group with a
+short timeout, so it fails after a few seconds instead. Then `Join([model])`: a rank that
+runs out of batches "joins" and shadows the others' all_reduces with zero gradients until
+every rank is done (gradients are divided by the initial world size, as if it sent zeros).
+
+    torchrun --nproc_per_node=3 ddp_basics/ddp_uneven_inputs.py
+    python ddp_basics/ddp_uneven_inputs.py --nproc 2 --hang-timeout 2
+
+Docs: https://pytorch.org/tutorials/advanced/generic_join.html
+"""
+import copy
+import datetime
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from launch.dist_setup import lesson_parser, print0, print_in_order, run
+from toy import MLP, make_data
+
+
+def batch(x, y, args, rank, step):
+    lo = (rank * (args.batches + rank) + step) * args.batch  # rank r owns batches+r batches
+    return x[lo:lo + args.batch], y[lo:lo + args.batch]
+
+
+def main(args, ctx):
+    ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: run with --nproc_per_node=2 or more")
+    W = ctx.world_size
+    mine = args.batches + ctx.rank  # uneven on purpose: rank 0 has the fewest
+    total = sum(args.batches + r for r in range(W))
+    x, y = make_data(total * args.batch, seed=0)
+    torch.manual_seed(0)
+    start = MLP(args.width)
+
+    # 1. Without Join: a Gloo group with a short timeout on CPU, so that the wait fails
+    # quickly and cleanly (an NCCL timeout would abort the whole process instead).
+    short = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.hang_timeout))
+    model = DDP(copy.deepcopy(start), process_group=short)
+    outcome = f"finished its {mine} batches and left"
+    try:
+        for step in range(mine):
+            xb, yb = batch(x, y, args, ctx.rank, step)
+            F.cross_entropy(model(xb), yb).backward()
+    except RuntimeError as error:  # the ranks still inside the all_reduce of step `batches`
+        outcome = f"stuck in backward's all_reduce at batch {step}, failed after {args.hang_timeout:g}s: " \
+                  f"{str(error).strip().splitlines()[0].split('] ')[-1][:70]}"
+    print_in_order(f"without Join: {outcome}")
+    if ctx.rank > 0 and outcome.startswith("finished"):
+        raise RuntimeError("expected the ranks with more batches to wait and time out")
+
+    # 2. With Join: the same uneven loop finishes on every rank.
+    model = DDP(copy.deepcopy(start).to(ctx.device))
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    with Join([model]):
+        for step in range(mine):
+            xb, yb = batch(x, y, args, ctx.rank, step)
+            F.cross_entropy(model(xb.to(ctx.device)), yb.to(ctx.device)).backward()
+            opt.step()
+            opt.zero_grad()
+    print_in_order(f"with Join: ran its {mine} batches; joined ranks shadowed the all_reduces they lacked")
+
+    # Independent check: one process; at step s the gradient is the sum over the ranks that
+    # still had a batch of their mean-loss gradient, divided by the initial world size W.
+    single = copy.deepcopy(start)
+    opt = torch.optim.SGD(single.parameters(), lr=args.lr)
+    for step in range(args.batches + W - 1):
+        loss = sum(F.cross_entropy(single(xb), yb)
+                   for xb, yb in (batch(x, y, args, r, step) for r in range(W) if step < args.batches + r))
+        (loss / W).backward()
+        opt.step()
+        opt.zero_grad()
+    worst = max((p.detach().cpu() - q.detach()).abs().max().item()
+                for p, q in zip(model.module.parameters(), single.parameters()))
+    print0(f"max |param - single-process param| = {worst:.2e}")
+    if worst > 1e-5:
+        raise RuntimeError(f"training under Join differs from the single-process computation by {worst:.2e}")
+    print0(f"OK: uneven inputs ({args.batches}..{args.batches + W - 1} batches per rank) time out without Join "
+           f"and finish with Join, matching single-process training (max diff {worst:.1e})")
+
+
+if __name__ == "__main__":
+    parser = lesson_parser(__doc__)
+    parser.add_argument("--batches", type=int, default=3, help="batches on rank 0; rank r has batches + r")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.5)
+    parser.add_argument("--hang-timeout", type=float, default=3.0, help="seconds before the hang fails")
+    run(main, parser.parse_args())

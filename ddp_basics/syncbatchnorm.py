@@ -1,0 +1,70 @@
+"""SyncBatchNorm: batch statistics over the whole global batch, not each rank's share.
+
+BatchNorm in training normalises with the mean and variance of the batch it sees; under DDP
+that is only this rank's share, so small per-rank batches give noisy statistics.
+`nn.SyncBatchNorm.convert_sync_batchnorm(model)` swaps every BatchNorm for one that
+all-gathers the statistics, so each rank normalises with those of the global batch.
+In this torch SyncBatchNorm runs on GPUs (and XPU) only; on CPU the lesson says so and
+computes the same statistics by hand: one all_reduce of [sum, sum of squares, count].
+
+    torchrun --nproc_per_node=3 ddp_basics/syncbatchnorm.py
+    python ddp_basics/syncbatchnorm.py --nproc 2 --channels 8
+
+Docs: https://pytorch.org/docs/stable/generated/torch.nn.SyncBatchNorm.html
+"""
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from launch.dist_setup import lesson_parser, print0, print_in_order, run
+
+
+def main(args, ctx):
+    W, C = ctx.world_size, args.channels
+    sizes = [args.batch + r for r in range(W)]  # uneven shares: SyncBatchNorm allows that
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(sum(sizes), C, generator=g) * 3 + torch.arange(C)  # each channel its own mean
+    lo = sum(sizes[:ctx.rank])
+    x = full[lo:lo + sizes[ctx.rank]].to(ctx.device)
+
+    # Independent reference: one BatchNorm on the whole global batch, in one process.
+    ref = nn.BatchNorm1d(C)
+    ref_out = ref(full)[lo:lo + sizes[ctx.rank]]
+
+    bn = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(C))).to(ctx.device)
+    try:
+        out = bn(x)
+        running_mean, running_var = bn[0].running_mean, bn[0].running_var
+        how = "nn.SyncBatchNorm"
+    except ValueError as error:  # CPU tensors: "SyncBatchNorm expected input tensor to be on GPU..."
+        print0(f"SyncBatchNorm on {ctx.device.type}: {str(error).splitlines()[0]}; computing it by hand")
+        stats = torch.stack([x.sum(0), (x * x).sum(0), torch.full((C,), float(len(x)), device=x.device)])
+        dist.all_reduce(stats)  # SUM over ranks: global sum, sum of squares, count
+        total, squares, count = stats
+        mean = total / count
+        var = squares / count - mean * mean  # biased variance normalises, as BatchNorm does
+        out = (x - mean) / torch.sqrt(var + 1e-5)  # weight 1, bias 0 at initialisation
+        m = 0.1  # BatchNorm's default momentum; running_var keeps the unbiased variance
+        running_mean = m * mean
+        running_var = (1 - m) * torch.ones(C, device=x.device) + m * var * count / (count - 1)
+        how = "all_reduce of [sum, sum of squares, count]"
+
+    local_mean = x.mean(0)
+    print_in_order(f"{len(x)} rows; channel-0 mean of my rows {local_mean[0].item():+.3f}, "
+                   f"global {running_mean[0].item() / 0.1:+.3f}")
+    diffs = [(out.detach().cpu() - ref_out.detach()).abs().max().item(),
+             (running_mean.cpu() - ref.running_mean).abs().max().item(),
+             (running_var.cpu() - ref.running_var).abs().max().item()]
+    print0(f"max diff against BatchNorm on the whole batch: output {diffs[0]:.1e}, "
+           f"running mean {diffs[1]:.1e}, running var {diffs[2]:.1e}")
+    if max(diffs) > 1e-4:
+        raise RuntimeError(f"statistics over {W} ranks differ from those of the whole batch: {diffs}")
+    print0(f"OK: batch statistics over {W} ranks ({how}) equal BatchNorm on the whole "
+           f"batch of {sum(sizes)} rows (max diff {max(diffs):.1e})")
+
+
+if __name__ == "__main__":
+    parser = lesson_parser(__doc__)
+    parser.add_argument("--batch", type=int, default=6, help="rows on rank 0; rank r has batch + r")
+    parser.add_argument("--channels", type=int, default=4)
+    run(main, parser.parse_args())

@@ -53,5 +53,5 @@ for i in 0 1; do
 done
 status=0
 for i in 0 1; do wait "${pids[$i]}" || status=$?; done
-for i in 0 1; do sed "s/^/[node$i] /" "$out/node$i.log" | grep -v "OMP_NUM_THREADS\|\*\*\*\*\*\|run.py:[0-9]*\] *$"; done
+for i in 0 1; do sed "s/^/[node$i] /" "$out/node$i.log" | grep -v "Setting OMP_NUM_THREADS\|\*\*\*\*\*\|run.py:[0-9]*\] *$"; done
 exit $status

@@ -18,9 +18,11 @@ timeout, runs main(args, ctx) and destroys the group on every path.
 """
 import argparse
 import datetime
+import gc
 import os
 import socket
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -119,9 +121,12 @@ def _run_rank(main, args, init=True):
     except UsageError as error:
         sys.stderr.write(f"[rank {rank}] error: {error}\n")  # one write: ranks' lines never mix
         sys.stderr.flush()
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            time.sleep(1)  # torchrun stops every rank when one exits: let the others print their line first
         return 2
     finally:
         if dist.is_initialized():
+            gc.collect()  # free DDP/FSDP objects (they sit in reference cycles) while their group is up
             dist.destroy_process_group()
 
 

@@ -93,11 +93,14 @@ def assert_ok(result):
 
 
 def assert_fails(result, message, within=None):
-    """Non-zero exit, no hang, and message printed (once per rank if `within` names the ranks)."""
+    """Non-zero exit, no hang, and message printed (once per rank if `within` names the ranks;
+    under torchrun on 1 to `within` ranks)."""
     assert not result.timed_out, f"hung instead of failing\n{result}"
     assert result.returncode != 0, f"expected a failure\n{result}"
     assert message in result.output, f"expected {message!r} in the output\n{result}"
     assert not ok_lines(result), f"a failed run must not print OK\n{result}"
     if within is not None:
         count = sum(message in line for line in result.output.splitlines())
-        assert count == within, f"expected {message!r} on {within} ranks, saw it {count} times\n{result}"
+        # torchrun stops the other ranks as soon as one exits, so some may never get to print
+        low = 1 if "torch.distributed.run" in result.command else within
+        assert low <= count <= within, f"expected {message!r} on {within} ranks, saw it {count} times\n{result}"

@@ -110,7 +110,7 @@ def test_hello_distributed_nccl_without_gpu_fails_fast_on_every_rank(launcher):
     start = time.monotonic()
     result = run_lesson("primitives/hello_distributed.py", "--backend", "nccl", nproc=2, launcher=launcher)
     assert_fails(result, "error: NCCL needs one CUDA GPU per rank", within=2)
-    assert time.monotonic() - start < 15
+    assert time.monotonic() - start < 40  # well under the 60 s collective timeout: it failed at once, not by waiting
     assert_no_rank_traceback(result, launcher)
 
 
@@ -151,7 +151,7 @@ def test_backend_nccl_without_gpu_is_one_line_per_rank(launcher):
     start = time.monotonic()
     result = run_lesson(FIXTURE, "--mode", "ranks", "--backend", "nccl", nproc=3, launcher=launcher)
     assert_fails(result, "error: --backend nccl needs a cuda device and this machine has none", within=3)
-    assert time.monotonic() - start < 15
+    assert time.monotonic() - start < 40
     assert_no_rank_traceback(result, launcher)
 
 

@@ -1,0 +1,158 @@
+"""The same job as manual_data_parallel.py with DistributedDataParallel and DistributedSampler.
+
+DDP broadcasts rank 0's weights when it wraps the model and averages the gradients during
+backward; DistributedSampler gives each rank its own 1/N of a shuffled data set, and
+`set_epoch(epoch)` reshuffles it each epoch (without it every epoch repeats epoch 0's order:
+measured below). Rank 0 alone draws a tqdm bar; the evaluation is split across the ranks
+and its sums are all_reduced, so every rank gets the same metric. Checks: the parameters
+equal one process trained on the same global batches (rebuilt from the sampler's order,
+computed by hand), they are identical on every rank, and so is the metric.
+
+    torchrun --nproc_per_node=2 ddp_basics/ddp_minimal.py
+    python ddp_basics/ddp_minimal.py --nproc 3 --epochs 10 --show-eval-hang
+
+Docs: https://pytorch.org/tutorials/intermediate/ddp_tutorial.html
+      https://pytorch.org/docs/stable/data.html#torch.utils.data.distributed.DistributedSampler
+"""
+import copy
+import datetime
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from tqdm import tqdm
+
+from launch.dist_setup import lesson_parser, print0, print_in_order, run
+from toy import MLP, make_data
+
+
+def sampler_order(n, world_size, rank, seed, epoch):
+    """What DistributedSampler(shuffle=True, drop_last=False) hands `rank`, by hand."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    order += order[:-(-n // world_size) * world_size - n]  # pad by wrapping: equal shares
+    return order[rank::world_size]
+
+
+def spread(values):
+    """Largest difference between ranks, elementwise: 0.0 when every rank holds the same."""
+    high, low = values.clone(), values.clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    return (high - low).abs().max().item()
+
+
+def evaluate(model, x, y, ctx, group=None, device=None):
+    """Each rank scores x[rank::W]; the sums are all_reduced, so every rank gets the same."""
+    device = device or ctx.device
+    xs, ys = x[ctx.rank::ctx.world_size].to(device), y[ctx.rank::ctx.world_size].to(device)
+    with torch.no_grad():
+        out = model(xs)
+    sums = torch.tensor([(out.argmax(1) == ys).sum().item(), len(ys),
+                         F.cross_entropy(out, ys, reduction="sum").item()], dtype=torch.float64, device=device)
+    dist.all_reduce(sums, group=group)  # every rank must call this, not just the one that logs
+    return sums
+
+
+def local_only(state, bucket):
+    """A comm hook that skips the all_reduce (--no-average): each rank keeps its own gradient."""
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def main(args, ctx):
+    W = ctx.world_size
+    x, y = make_data(args.train, seed=0)
+    test_x, test_y = make_data(args.test, seed=1)  # held out
+    dataset = TensorDataset(x, y)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)  # rank, size from the group
+    loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler)
+
+    # What goes wrong without set_epoch: the shuffle depends on seed + epoch only.
+    epoch0, again = list(sampler), list(sampler)
+    sampler.set_epoch(1)
+    moved = sum(a != b for a, b in zip(epoch0, list(sampler))) / len(epoch0)
+    print0(f"DistributedSampler: {len(epoch0)} of {len(dataset)} examples per rank per epoch; without set_epoch "
+           f"epoch 1 repeats epoch 0's order: {epoch0 == again}; with set_epoch(1) {moved:.0%} of positions change")
+    if epoch0 != again or moved < 0.5:
+        raise RuntimeError("DistributedSampler did not behave as described")
+
+    torch.manual_seed(ctx.rank)  # different on purpose: DDP's constructor broadcasts rank 0's weights
+    model = DDP(MLP(args.width).to(ctx.device))
+    if args.no_average:
+        model.register_comm_hook(None, local_only)
+    start = copy.deepcopy(model.module).cpu()
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        bar = tqdm(loader, desc=f"epoch {epoch}", disable=ctx.rank != 0, file=sys.stderr, mininterval=1)
+        for xb, yb in bar:
+            loss = F.cross_entropy(model(xb.to(ctx.device)), yb.to(ctx.device))
+            opt.zero_grad()
+            loss.backward()  # DDP all_reduces (averages) the gradients here, bucket by bucket
+            opt.step()
+            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)  # rank 0's local loss only
+
+    # Independent reference: one process, same start, and at each step the concatenation of
+    # every rank's batch (equal sizes, so the mean loss over it is the mean of the ranks').
+    single = copy.deepcopy(start)
+    ref_opt = torch.optim.SGD(single.parameters(), lr=args.lr, momentum=0.9)
+    for epoch in range(args.epochs):
+        orders = [sampler_order(len(dataset), W, r, args.seed, epoch) for r in range(W)]
+        sampler.set_epoch(epoch)
+        if orders[ctx.rank] != list(sampler):
+            raise RuntimeError("the hand-computed order differs from DistributedSampler's")
+        for lo in range(0, len(orders[0]), args.batch):
+            idx = [i for order in orders for i in order[lo:lo + args.batch]]
+            ref_opt.zero_grad()
+            F.cross_entropy(single(x[idx]), y[idx]).backward()
+            ref_opt.step()
+    params = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
+    diff = (params.cpu() - torch.cat([p.detach().reshape(-1) for p in single.parameters()])).abs().max().item()
+    param_spread = spread(params)
+
+    if args.show_eval_hang:  # the classic bug: `if rank == 0: evaluate(...)`, on a short-timeout group
+        short = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.hang_timeout))
+        if ctx.rank == 0:
+            try:
+                evaluate(copy.deepcopy(model.module).cpu(), test_x, test_y, ctx, short, torch.device("cpu"))
+            except RuntimeError:
+                print0(f"evaluation on rank 0 only: its all_reduce waited for ranks that never came, "
+                       f"and failed after the {args.hang_timeout:g} s timeout (a hang with the default timeout)")
+    correct, count, loss_sum = evaluate(model, test_x, test_y, ctx).tolist()
+    metric_spread = spread(torch.tensor([correct / count, loss_sum / count], device=ctx.device))
+    with torch.no_grad():  # check: the same model on the whole held-out set, in this process
+        whole = (model.module(test_x.to(ctx.device)).argmax(1).cpu() == test_y).sum().item()
+    print_in_order(f"held-out accuracy {correct / count:.4f} ({correct:.0f}/{count:.0f}, all_reduced), "
+                   f"loss {loss_sum / count:.4f}; sum of params {params.double().sum().item():+.6f}")
+    print0(f"max |param - single process| {diff:.2e} (tolerance {args.tol:g}); spread across ranks: "
+           f"params {param_spread:.2e}, metric {metric_spread:.2e}; chance accuracy {1 / 4:.2f}")
+    if diff > args.tol or param_spread != 0.0 or metric_spread != 0.0:
+        raise RuntimeError(f"DDP training differs from single-process training by {diff:.2e}, "
+                           f"or ranks disagree (params {param_spread:.2e}, metric {metric_spread:.2e})")
+    if whole != correct or count != len(test_y):
+        raise RuntimeError(f"all_reduced correct count {correct} != {whole} counted on the whole held-out set")
+    print0(f"OK: DDP + DistributedSampler on {W} ranks, {args.epochs} epochs: params match single-process training "
+           f"on the same batches (max diff {diff:.1e}) and are identical across ranks; "
+           f"all_reduced held-out accuracy {correct / count:.3f} agrees on every rank")
+
+
+if __name__ == "__main__":
+    parser = lesson_parser(__doc__)
+    parser.add_argument("--train", type=int, default=1200, help="training examples")
+    parser.add_argument("--test", type=int, default=1000, help="held-out examples")
+    parser.add_argument("--batch", type=int, default=16, help="examples per rank per step")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.2)
+    parser.add_argument("--seed", type=int, default=0, help="DistributedSampler's shuffle seed")
+    parser.add_argument("--tol", type=float, default=1e-5, help="max |param difference| allowed (float32)")
+    parser.add_argument("--no-average", action="store_true",
+                        help="a comm hook that skips DDP's all_reduce: the checks fail")
+    parser.add_argument("--show-eval-hang", action="store_true",
+                        help="first evaluate on rank 0 only, under a short timeout: the hang it causes")
+    parser.add_argument("--hang-timeout", type=float, default=3.0)
+    run(main, parser.parse_args())

@@ -1,0 +1,112 @@
+"""What one rank holds under DDP and under FSDP: parameters, gradients, Adam state, measured.
+
+The bytes are read from the tensors' own storages after one training step (a storage that
+several tensors share counts once, a DTensor counts its local shard), so the measure works
+on any device. DDP keeps everything on every rank: with Adam 4 + 4 + 8 = 16 bytes per
+parameter (fp32). FSDP keeps 1/N of each, plus, for a moment, the full parameters of the
+block that computes (all_gathered, freed after). MixedPrecisionPolicy(param_dtype=bf16)
+halves that transient block and the all_gather traffic; the sharded state stays fp32.
+The lesson checks that FSDP's per-rank state is within 10% of 1/N of DDP's.
+On a GPU torch.cuda.max_memory_allocated() would add activations and buffers; counting
+storages is what works on CPU too.
+
+    torchrun --nproc_per_node=4 fsdp_basics/fsdp_memory.py
+    python fsdp_basics/fsdp_memory.py --nproc 2 --width 1024 --depth 8
+
+Docs: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
+      https://arxiv.org/abs/1910.02054 (ZeRO: the memory formulas)
+"""
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from launch.dist_setup import lesson_parser, print0, print_in_order, run
+from toy import BlockMLP, make_data
+
+
+def storage_bytes(tensors):
+    storages = {}
+    for t in tensors:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def measure(model, x, y, lr):
+    """One Adam step; bytes held for [params, grads, Adam state, their total, largest gathered block]."""
+    gathered = [0]
+
+    def in_forward(block, inputs):  # runs after FSDP's own pre-forward hook: the block is unsharded
+        gathered[0] = max(gathered[0], storage_bytes(block.parameters()))
+
+    hooks = [] if isinstance(model, DDP) else [b.register_forward_pre_hook(in_forward) for b in model.blocks]
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    F.cross_entropy(model(x).float(), y).backward()
+    opt.step()  # creates Adam's state: exp_avg and exp_avg_sq, shaped like the (sharded) parameters
+    params = list(model.parameters())
+    held = [storage_bytes(params), storage_bytes(p.grad for p in params),
+            storage_bytes(t for s in opt.state.values() for t in s.values())]
+    for hook in hooks:
+        hook.remove()
+    return held + [sum(held), gathered[0]]
+
+
+def main(args, ctx):
+    x, y = make_data(args.batch * ctx.world_size)
+    mine = slice(ctx.rank * args.batch, (ctx.rank + 1) * args.batch)
+    torch.manual_seed(0)
+    reference = BlockMLP(args.width, args.depth)
+    n_params = sum(p.numel() for p in reference.parameters())
+
+    # gradient_as_bucket_view: the grads are views into DDP's all_reduce buckets, not a second copy.
+    ddp = measure(DDP(copy.deepcopy(reference), gradient_as_bucket_view=True), x[mine], y[mine], args.lr)
+    fsdp = {}
+    for name, policy in (("fp32", MixedPrecisionPolicy()),
+                         ("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))):
+        model = copy.deepcopy(reference)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        held = torch.tensor(measure(model, x[mine], y[mine], args.lr))
+        if name == "fp32":
+            print_in_order(f"FSDP: params {held[0]:,} B, grads {held[1]:,} B, Adam state {held[2]:,} B "
+                           f"= {held[3] / ddp[3]:.3f} of DDP's {ddp[3]:,} B")
+        dist.all_reduce(held, op=dist.ReduceOp.MAX)  # the rank that holds most (padding lands unevenly)
+        fsdp[name] = held.tolist()
+
+    ideal = 1 / ctx.world_size
+    print0(f"\n{n_params:,} parameters ({args.depth} blocks of width {args.width}) on {ctx.world_size} ranks: "
+           f"bytes per rank (FSDP: the most any rank holds)")
+    print0(f"{'':<15}{'DDP':>11}{'FSDP':>11}{'FSDP/DDP':>10}{'ideal':>7}{'FSDP bf16':>11}")
+    for i, row in enumerate(["params", "grads", "Adam state", "total state", "gathered block"]):
+        if i < 4:
+            print0(f"{row:<15}{ddp[i]:>11,}{fsdp['fp32'][i]:>11,}{fsdp['fp32'][i] / ddp[i]:>10.3f}"
+                   f"{ideal:>7.3f}{fsdp['bf16'][i]:>11,}")
+        else:  # DDP never gathers: it holds every block in full all the time
+            print0(f"{row:<15}{'-':>11}{fsdp['fp32'][i]:>11,}{'':>17}{fsdp['bf16'][i]:>11,}")
+    print0(f"per parameter: DDP {ddp[3] / n_params:.1f} B, FSDP {fsdp['fp32'][3] / n_params:.2f} B "
+           f"(16/N = {16 / ctx.world_size:.2f}), in the largest block bf16/fp32 = "
+           f"{fsdp['bf16'][4] / fsdp['fp32'][4]:.2f}\n")
+
+    excess = fsdp["fp32"][3] / ddp[3] / ideal - 1
+    if abs(excess) > 0.10:
+        raise RuntimeError(f"FSDP's state is {excess:+.1%} off 1/N of DDP's (padding? try a width divisible by N)")
+    if fsdp["bf16"][:4] != fsdp["fp32"][:4] or not fsdp["bf16"][4] < fsdp["fp32"][4]:
+        raise RuntimeError("bf16 params should keep the fp32 sharded state and gather a smaller block")
+    print0(f"OK: on {ctx.world_size} ranks FSDP holds {fsdp['fp32'][3] / ddp[3]:.3f} of DDP's per-rank "
+           f"state ({excess:+.1%} off the ideal 1/{ctx.world_size}); a bf16 gathered block is "
+           f"{fsdp['bf16'][4] / fsdp['fp32'][4]:.2f} of the fp32 one")
+
+
+if __name__ == "__main__":
+    parser = lesson_parser(__doc__)
+    parser.add_argument("--width", type=int, default=240, help="block width (240: N = 2, 3, 4 divide it)")
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=16, help="examples per rank")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    run(main, parser.parse_args())

@@ -1,0 +1,39 @@
+"""For code still started with `python -m torch.distributed.launch` (deprecated; torchrun replaces it).
+
+The old launcher passes each process its local rank as an argument, `--local-rank=N`
+(torch >= 2.0; `--local_rank=N` before), unless `--use-env` is given; it always sets the
+environment too. A script that must work under both launchers accepts both spellings and
+falls back to the LOCAL_RANK variable, which is all torchrun sets:
+
+    python -m torch.distributed.launch --nproc_per_node=2 launch/legacy_launch.py
+    python -m torch.distributed.launch --nproc_per_node=2 --use-env launch/legacy_launch.py
+    torchrun --nproc_per_node=2 launch/legacy_launch.py        # the one-line migration
+
+Docs: https://pytorch.org/docs/stable/distributed.html#launch-utility
+"""
+import os
+
+import torch
+import torch.distributed as dist
+from launch.dist_setup import lesson_parser, print0, print_in_order, run
+
+
+def main(args, ctx):
+    from_env = int(os.environ["LOCAL_RANK"])
+    if args.local_rank is not None and args.local_rank != from_env:
+        raise RuntimeError(f"--local-rank {args.local_rank} disagrees with LOCAL_RANK={from_env}")
+    source = "argument --local-rank" if args.local_rank is not None else "environment LOCAL_RANK"
+    print_in_order(f"local rank {from_env} from the {source}; device {ctx.device}")
+    total = torch.tensor([ctx.rank], device=ctx.device)
+    dist.all_reduce(total)
+    if total.item() != ctx.world_size * (ctx.world_size - 1) // 2:
+        raise RuntimeError(f"all_reduce gave {total.item()}")
+    print0(f"OK: {ctx.world_size} rank(s) found their local rank from the {source}; migrate with: "
+           f"torchrun --nproc_per_node=N {os.path.relpath(__file__)} (and read LOCAL_RANK from the environment)")
+
+
+if __name__ == "__main__":
+    parser = lesson_parser(__doc__)
+    # Both spellings: torch.distributed.launch writes --local-rank since torch 2.0, --local_rank before.
+    parser.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None)
+    run(main, parser.parse_args())

@@ -1,0 +1,145 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP): save at N ranks, resume at M.
+
+get_state_dict(model, optimizer) gives each rank's shards (DTensors) under plain names;
+dcp.save writes them, every rank its own, plus metadata saying which slice of which tensor
+each file holds. So dcp.load can reshard: a run at 2 ranks reads a checkpoint that 4 ranks
+wrote, each rank reading exactly the slices it now owns; set_state_dict puts them in place.
+A crash during save must leave the previous checkpoint usable: each save goes to
+step_N.tmp, is renamed to step_N once every rank has written, and only then the file
+`latest` is switched to it (a write to a temporary file and os.replace: atomic). A resume
+reads `latest`, so it never sees a half-written checkpoint. At the end, rank 0 exports the
+full, unsharded state dict (full_state_dict=True, cpu_offload=True) that a plain model loads
+with torch.load(weights_only=True), and checks it against one process trained without a stop.
+
+    torchrun --nproc_per_node=4 fsdp_basics/fsdp_checkpoint.py --stop-at 4    # save, stop
+    torchrun --nproc_per_node=2 fsdp_basics/fsdp_checkpoint.py --resume       # reshard, go on
+    python fsdp_basics/fsdp_checkpoint.py --nproc 4 --stop-at 6 --crash-during-save  # then --resume
+
+Docs: https://pytorch.org/docs/stable/distributed.checkpoint.html
+"""
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+
+from launch.dist_setup import lesson_parser, print0, run
+from toy import BlockMLP, make_data
+
+
+def save(model, opt, step, root, ctx, crash):
+    """Write step_<step> next to the previous checkpoints, then point `latest` at it (a collective)."""
+    name, latest = f"step_{step:06d}", root / "latest"
+    tmp = root / f"{name}.tmp"
+    if ctx.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # what a crashed save left behind
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, opt)  # this rank's shards, under the model's plain names
+    dcp.save({"model": model_sd, "optim": optim_sd, "step": step, "world_size": ctx.world_size}, checkpoint_id=tmp)
+    if crash:
+        raise RuntimeError(f"simulated crash during save: {tmp.name} written, `latest` still names the previous one")
+    dist.barrier()  # every rank's files are complete before the directory is published
+    if ctx.rank == 0:
+        shutil.rmtree(root / name, ignore_errors=True)  # a stale copy, never the one `latest` names
+        os.replace(tmp, root / name)
+        (root / "latest.tmp").write_text(name)
+        os.replace(root / "latest.tmp", latest)  # the commit point: before it the old one is current
+        for old in sorted(root.glob("step_??????"))[:-2]:  # keep this one and the one before
+            shutil.rmtree(old)
+    dist.barrier()
+    print0(f"saved {name} at {ctx.world_size} ranks")
+
+
+def load(model, opt, root):
+    """Read the checkpoint `latest` names into this rank's shards, whatever N wrote it."""
+    name = (root / "latest").read_text().strip()
+    model_sd, optim_sd = get_state_dict(model, opt)  # the shapes and shards to fill, at this world size
+    state = {"model": model_sd, "optim": optim_sd, "step": 0, "world_size": 0}
+    dcp.load(state, checkpoint_id=root / name)  # each rank reads the slices it owns now
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return name, state["step"], state["world_size"]
+
+
+def main(args, ctx):
+    ctx.require(args.batch % ctx.world_size == 0, f"--batch {args.batch} must divide by {ctx.world_size} ranks")
+    stop = args.stop_at or args.steps
+    ctx.require(0 < stop <= args.steps, f"--stop-at must be between 1 and --steps {args.steps}")
+    root = Path(args.dir)
+    ctx.require(not args.resume or (root / "latest").exists(), f"--resume: no checkpoint in {root}")
+    x, y = make_data(args.batch * args.steps)
+    torch.manual_seed(0)
+    model = BlockMLP(args.width, args.depth)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+
+    start = 0
+    if args.resume:
+        name, start, saved_at = load(model, opt, root)
+        print0(f"resumed from {name} (written by {saved_at} ranks) at step {start} on {ctx.world_size} ranks")
+        ctx.require(start < stop, f"--resume: the checkpoint is at step {start}, nothing left before step {stop}")
+    elif ctx.rank == 0:  # a fresh run: no checkpoint of an earlier run may be mistaken for ours
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+    dist.barrier()
+
+    per_rank = args.batch // ctx.world_size
+    for step in range(start, stop):
+        lo = step * args.batch + ctx.rank * per_rank  # the global batch of a step is the same at any N
+        F.cross_entropy(model(x[lo:lo + per_rank]), y[lo:lo + per_rank]).backward()
+        opt.step()
+        opt.zero_grad()
+        if (step + 1) % args.save_every == 0 or step + 1 == stop:
+            save(model, opt, step + 1, root, ctx, crash=args.crash_during_save and step + 1 == stop)
+
+    # The full model on rank 0 only, in CPU memory: what a plain single-process user loads.
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    export = root / "model.pt"
+    diff = torch.zeros(1)
+    if ctx.rank == 0:
+        torch.save(full, root / "model.pt.tmp")
+        os.replace(root / "model.pt.tmp", export)  # a reader never sees half a file
+        plain = BlockMLP(args.width, args.depth)
+        plain.load_state_dict(torch.load(export, map_location="cpu", weights_only=True))
+        torch.manual_seed(0)
+        reference = BlockMLP(args.width, args.depth)  # one process, all `stop` steps, no interruption
+        ref_opt = torch.optim.Adam(reference.parameters(), lr=args.lr)
+        for step in range(stop):
+            lo = step * args.batch
+            F.cross_entropy(reference(x[lo:lo + args.batch]), y[lo:lo + args.batch]).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        diff[0] = max((p - q).abs().max().item() for p, q in zip(plain.parameters(), reference.parameters()))
+        checksum = sum(p.double().abs().sum().item() for p in plain.parameters())
+        print(f"exported {export} ({export.stat().st_size:,} B); step {stop} params checksum {checksum:.6f}; "
+              f"max |param - uninterrupted single process| {diff.item():.2e} (tolerance {args.tol:g})", flush=True)
+    dist.broadcast(diff, src=0)  # every rank fails together if the check fails
+    if diff.item() > args.tol:
+        raise RuntimeError(f"the resumed training differs from an uninterrupted one by {diff.item():.2e}")
+    print0(f"OK: trained steps {start}..{stop - 1} on {ctx.world_size} ranks"
+           + (f" after resuming a checkpoint written by {saved_at} ranks" if args.resume else "")
+           + f"; the exported full state dict loads into a plain model and matches an uninterrupted run "
+           f"(max diff {diff.item():.1e})")
+
+
+if __name__ == "__main__":
+    parser = lesson_parser(__doc__)
+    parser.add_argument("--dir", default="runs/fsdp_checkpoint", help="checkpoint directory")
+    parser.add_argument("--resume", action="store_true", help="go on from the checkpoint `latest` names")
+    parser.add_argument("--steps", type=int, default=8, help="steps of the whole training")
+    parser.add_argument("--stop-at", type=int, default=0, help="stop after this step, as if interrupted (0: --steps)")
+    parser.add_argument("--save-every", type=int, default=2, help="save every N steps (and at the stop)")
+    parser.add_argument("--crash-during-save", action="store_true",
+                        help="raise in the last save, after dcp.save wrote step_N.tmp and before it is published")
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=48, help="global batch, divisible by the world size")
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--tol", type=float, default=1e-5)
+    run(main, parser.parse_args())

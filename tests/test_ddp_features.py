@@ -1,0 +1,79 @@
+"""The DDP feature lessons of ddp_basics/ (issue 5, second half): each under torchrun at 2 and 3
+ranks, a few started with `python lesson.py --nproc N`, figures from the output
+checked, and bad starts that must fail cleanly."""
+import re
+
+import pytest
+
+from harness import assert_fails, assert_ok, run_lesson
+
+TIMEOUT = 240  # the CI machine is small and shared: a launch takes seconds, a hang is caught
+
+LESSONS = {  # lesson -> world sizes it runs at under torchrun
+    "ddp_grad_accumulation.py": (2, 3),
+    "ddp_unused_parameters.py": (2, 3),
+    "ddp_uneven_inputs.py": (2, 3),
+    "syncbatchnorm.py": (2, 3),
+    "ddp_mixed_precision.py": (2, 3),
+    "ddp_comm_hooks.py": (2, 3),
+    "dataparallel_vs_ddp.py": (2, 3),
+    "benchmark_ddp.py": (2, 3),
+}
+PYTHON_NPROC = {"ddp_grad_accumulation.py": 3, "ddp_uneven_inputs.py": 2, "benchmark_ddp.py": 2}
+
+
+def check_output(name, nproc, result):
+    out = result.stdout
+    if name == "ddp_grad_accumulation.py":
+        calls = re.search(r"all_reduce calls per step: (\S+) with no_sync, (\S+) without", out)
+        assert calls, out
+        assert float(calls.group(2)) == 4 * float(calls.group(1)) > 0, out  # default --accum 4
+    if name == "ddp_unused_parameters.py":
+        assert "Expected to have finished reduction" in out, out
+    if name == "ddp_uneven_inputs.py":  # every rank but 0 has more batches: each one timed out
+        assert out.count("stuck in backward's all_reduce") == nproc - 1, out
+        assert out.count("finished its") == 1, out
+    if name == "syncbatchnorm.py":
+        rows = re.findall(r"\] (\d+) rows;", out)
+        assert len(rows) == nproc, out
+    if name == "ddp_mixed_precision.py":
+        diff = re.search(r"bf16 autocast: held-out loss \S+ \(\|diff\| to fp32 (\S+), tolerance (\S+)\)", out)
+        assert diff and float(diff.group(1)) <= float(diff.group(2)), out
+    if name == "ddp_comm_hooks.py":
+        sent = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\S+).*bytes sent per step\s+(\d+)", out, re.M)}
+        assert sent["fp16_compress_hook"] * 2 == sent["allreduce_hook"] > sent["PowerSGD"] > 0, out
+    if name == "dataparallel_vs_ddp.py":
+        assert re.search(rf"DDP, {nproc} processes on \w+: [\d.]+ ms/step", out), out
+    if name == "benchmark_ddp.py":
+        rows = re.findall(r"^\((\w)\) .*?\s([\d.]+)\s+([\d.]+)x\s+(\d+)%$", out, re.M)
+        assert [r[0] for r in rows] == ["a", "b", "c", "d"], out
+        assert all(float(ms) > 0 for _, ms, _, _ in rows), out
+
+
+@pytest.mark.parametrize("name,nproc", [(n, k) for n, sizes in LESSONS.items() for k in sizes])
+def test_torchrun(name, nproc):
+    result = run_lesson(f"ddp_basics/{name}", nproc=nproc, timeout=TIMEOUT)
+    assert_ok(result)
+    check_output(name, nproc, result)
+
+
+@pytest.mark.parametrize("name,nproc", sorted(PYTHON_NPROC.items()))
+def test_python_launcher(name, nproc):
+    result = run_lesson(f"ddp_basics/{name}", nproc=nproc, launcher="python", timeout=TIMEOUT)
+    assert_ok(result)
+    check_output(name, nproc, result)
+
+
+def test_uneven_inputs_needs_two_ranks():
+    assert_fails(run_lesson("ddp_basics/ddp_uneven_inputs.py", nproc=1, timeout=TIMEOUT),
+                 "needs at least 2 ranks", within=1)
+
+
+def test_benchmark_batch_must_divide():
+    assert_fails(run_lesson("ddp_basics/benchmark_ddp.py", "--batch", "100", nproc=3, timeout=TIMEOUT),
+                 "must divide by 3 ranks", within=3)
+
+
+def test_unused_parameters_batch_must_divide():
+    assert_fails(run_lesson("ddp_basics/ddp_unused_parameters.py", "--batch", "10", nproc=3, timeout=TIMEOUT),
+                 "must divide by 3 ranks", within=3)

@@ -40,7 +40,8 @@ def worker(rank, world_size, port, fail_rank):
         expected = world_size * (world_size + 1) // 2
         if total.item() != expected:
             raise RuntimeError(f"rank {rank}: sum {total.item()}, expected {expected}")
-        print(f"rank {rank}: all_reduce of rank+1 = {total.item()}", flush=True)
+        sys.stdout.write(f"rank {rank}: all_reduce of rank+1 = {total.item()}\n")  # one write: lines never mix
+        sys.stdout.flush()
     finally:
         dist.destroy_process_group()
 

@@ -15,11 +15,12 @@ objects from the checkpoint, finish, and compare with a run never interrupted: b
 checkpoint in --out if there is one; --fail-at-step S makes the last rank die there on the
 first attempt. Under `torchrun --max-restarts=1` torchrun restarts every worker, they resume,
 and the final parameters equal those of a run that never failed (checked in the lesson).
-Restarts in this torch need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, else the restarted workers
-read the dead attempt's addresses (pytorch#135712, explained in launch/elastic.py).
+Restarts in this torch need the c10d rendezvous (--standalone on one machine) and
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, else the restarted workers may read the dead attempt's
+addresses from torchrun's store (pytorch#135712, explained in launch/elastic.py).
 
     torchrun --nproc_per_node=2 ddp_basics/ddp_checkpoint.py
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=2 --max-restarts=1 \\
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=1 \\
         ddp_basics/ddp_checkpoint.py --out /tmp/ddp_ckpt --save-every 10 --fail-at-step 25
 
 Docs: https://pytorch.org/tutorials/intermediate/ddp_tutorial.html#save-and-load-checkpoints
@@ -44,6 +45,12 @@ def fresh(args, ctx, dataset):
     """Everything a run from scratch starts with; returns the job state as a dict."""
     torch.manual_seed(0)
     model = DDP(MLP(args.width).to(ctx.device))
+    # DDP's first backward sums its gradient bucket with parameters in registration order, later
+    # ones in the order gradients arrived. At 3+ ranks a float sum depends on the order, so a run
+    # resumed in a new DDP would differ by rounding. A backward on an empty batch sets the order
+    # before the first real step, in every run (it sends zeros and changes nothing else).
+    model(torch.zeros(0, 2, device=ctx.device)).sum().backward()
+    model.zero_grad(set_to_none=True)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)
     steps = args.epochs * -(-len(sampler) // args.batch)
@@ -187,6 +194,6 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if (os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0"  # before init: fail now, not at the restart
             and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
-        sys.exit(f"[rank {os.environ.get('RANK')}] error: restarts in this torch need "
-                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment (pytorch#135712)")
+        sys.exit(f"[rank {os.environ.get('RANK')}] error: restarts in this torch need torchrun --standalone "
+                 "(or --rdzv-backend=c10d) and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (pytorch#135712)")
     run(main, args)

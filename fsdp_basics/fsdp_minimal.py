@@ -1,14 +1,15 @@
 """FSDP2 in its smallest form: fully_shard each block, then the root; train; match DDP.
 
-fully_shard(block) turns the block's parameters into DTensors sharded on dim 0 (each rank
-keeps rows r*ceil(n/N) onward) and groups them: one all_gather before the block's forward,
+fully_shard(block) turns the block's parameters into DTensors sharded on dim 0 (rank r
+keeps rows r*ceil(n/N) up to (r+1)*ceil(n/N); the last ranks fewer, or none) and groups them: one all_gather before the block's forward,
 one reduce_scatter of its gradients in backward. fully_shard(model) last takes the rest
 (here the input and head layers) and makes the root, which runs the first all_gather.
-reshard_after_forward=True (the default) frees a block's full parameters after its forward
-and gathers them again in backward: least memory, one more all_gather per block.
-False keeps them from forward to backward: no second all_gather, more memory (as ZeRO-2).
+reshard_after_forward=True (the default for all but the root) frees a block's full
+parameters after its forward and gathers them again in backward: least memory, one more
+all_gather per block. False keeps them from forward to backward: no second all_gather, more
+memory (as ZeRO-2); an int N' reshards to groups of N' ranks (e.g. a node) in between.
 The lesson measures what a block holds between forward and backward under both, and
-checks that FSDP trains exactly like DDP on the same data.
+checks that FSDP trains like DDP on the same data (within --tol).
 
     torchrun --nproc_per_node=3 fsdp_basics/fsdp_minimal.py
     python fsdp_basics/fsdp_minimal.py --nproc 4 --width 256 --depth 4 --steps 50
@@ -38,7 +39,7 @@ def shard(reference, reshard_after_forward):
     model = copy.deepcopy(reference)
     for block in model.blocks:  # one communication group per block
         fully_shard(block, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, reshard_after_forward=reshard_after_forward)  # the root: inp and head
+    fully_shard(model)  # the root (inp, head); default None: False for the root, needed first in backward
     return model
 
 

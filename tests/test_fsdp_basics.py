@@ -1,0 +1,101 @@
+"""The lessons of fsdp_basics/ (issue 6): each under torchrun at 2 and 4 ranks and once with
+`python lesson.py --nproc N` (3, an odd size with uneven shards, where it matters most),
+figures from the output checked; the checkpoint chain 2 ranks (crash during save) -> 4 ranks
+-> 2 ranks against an uninterrupted run at 3; a bad start. Each launch costs seconds of
+imports (torch, torch._dynamo via torch.optim) per rank, so the runs are as few as that allows."""
+import re
+
+import pytest
+
+from harness import assert_fails, assert_ok, run_lesson
+
+TIMEOUT = 240  # the CI machine is small and shared: a launch takes seconds, a hang is caught
+LESSONS = ["zero_by_hand.py", "fsdp_minimal.py", "fsdp_memory.py", "fsdp_mixed_precision.py", "fsdp_offload.py"]
+PYTHON_NPROC = {"zero_by_hand.py": 3, "fsdp_minimal.py": 3, "fsdp_memory.py": 2, "fsdp_mixed_precision.py": 2,
+                "fsdp_offload.py": 2}
+NUM = r"([-+\d.e]+)"
+
+
+def within_tolerance(out, label):
+    """`label ... <diff> (tolerance <tol>)` printed by the lesson, and diff <= tol."""
+    found = re.search(re.escape(label) + rf".*?{NUM} \(tolerance {NUM}\)", out)
+    assert found, f"{label!r} not in\n{out}"
+    diff, tol = float(found.group(1)), float(found.group(2))
+    assert diff <= tol, out
+    return diff
+
+
+def check_output(name, nproc, out):
+    if name == "zero_by_hand.py":
+        within_tolerance(out, "max |param - single-process param|:")
+        ratios = [float(r) for r in re.findall(r"\(([\d.]+) of unsharded\)", out)]
+        assert len(ratios) == nproc and all(abs(r - 1 / nproc) < 0.02 for r in ratios), out
+        peaks = [int(p) for p in re.findall(r"peak gathered at once (\d+) B", out)]
+        largest = int(re.search(r"the largest layer is (\d+) B", out).group(1))
+        assert all(largest <= p <= largest + 4 * (nproc - 1) for p in peaks), out  # one layer at a time, padded
+    if name == "fsdp_minimal.py":
+        within_tolerance(out, "max |param FSDP - param DDP|")
+        rows = [int(r) for r in re.findall(r"^\[rank \d\] .*?blocks\.0\.fc\.weight \((\d+), 64\)", out, re.M)]
+        assert len(rows) == nproc and sum(rows) == 64, out  # the shards on dim 0 add up to the weight
+        held = re.search(r"(\d+) B with reshard_after_forward=True .*?, (\d+) B with False", out)
+        assert held and int(held.group(1)) * nproc <= int(held.group(2)) * 1.1, out
+    if name == "fsdp_memory.py":
+        total = re.search(r"^total state\s+([\d,]+)\s+([\d,]+)\s+([\d.]+)\s+([\d.]+)\s+([\d,]+)$", out, re.M)
+        assert total, out
+        ddp, fsdp, bf16 = (int(total.group(i).replace(",", "")) for i in (1, 2, 5))
+        assert abs(fsdp / ddp * nproc - 1) <= 0.10 and bf16 == fsdp, out
+        assert len(re.findall(r"^\[rank \d\] FSDP: params", out, re.M)) == nproc, out
+    if name == "fsdp_mixed_precision.py":
+        within_tolerance(out, "max |diff| over")
+        for what, dtype in (("gathered param", "bfloat16"), ("unsharded grad", "bfloat16"),
+                            ("sharded param", "float32"), ("sharded grad", "float32")):
+            assert re.search(rf"^  {what}\s+torch\.{dtype}", out, re.M), out
+    if name == "fsdp_offload.py":
+        assert "max |param - normal build| = 0.0e+00" in out, out
+        within_tolerance(out, "max |param - single process| =")
+        assert out.count("shards and Adam state on cpu") == nproc, out
+
+
+@pytest.mark.parametrize("name,nproc", [(n, k) for n in LESSONS for k in (2, 4)])
+def test_torchrun(name, nproc):
+    result = run_lesson(f"fsdp_basics/{name}", nproc=nproc, timeout=TIMEOUT)
+    assert_ok(result)
+    check_output(name, nproc, result.stdout)
+
+
+@pytest.mark.parametrize("name,nproc", sorted(PYTHON_NPROC.items()))
+def test_python_launcher(name, nproc):
+    result = run_lesson(f"fsdp_basics/{name}", nproc=nproc, launcher="python", timeout=TIMEOUT)
+    assert_ok(result)
+    check_output(name, nproc, result.stdout)
+
+
+def checksum(result):
+    within_tolerance(result.stdout, "max |param - uninterrupted single process|")
+    return float(re.search(r"params checksum ([\d.]+)", result.stdout).group(1))
+
+
+def test_checkpoint_reshard_and_crash(tmp_path):
+    lesson, ck = "fsdp_basics/fsdp_checkpoint.py", tmp_path / "ck"
+    # 2 ranks save steps 2 and 4, then crash inside the save of step 6, before it is published.
+    crashed = run_lesson(lesson, "--dir", ck, "--stop-at", "6", "--crash-during-save", nproc=2, timeout=TIMEOUT)
+    assert_fails(crashed, "simulated crash during save")
+    assert (ck / "latest").read_text() == "step_000004" and (ck / "step_000006.tmp").is_dir()
+    # 4 ranks resume the previous checkpoint (resharded 2 -> 4) and stop after saving step 6.
+    resumed = run_lesson(lesson, "--dir", ck, "--resume", "--stop-at", "6", nproc=4, timeout=TIMEOUT)
+    assert_ok(resumed)
+    assert "resumed from step_000004 (written by 2 ranks) at step 4 on 4 ranks" in resumed.stdout, resumed
+    assert (ck / "latest").read_text() == "step_000006" and not (ck / "step_000006.tmp").exists()
+    checksum(resumed)
+    # 2 ranks finish it (resharded 4 -> 2); an uninterrupted run (3 ranks, python) must end the same.
+    finished = run_lesson(lesson, "--dir", ck, "--resume", nproc=2, timeout=TIMEOUT)
+    assert_ok(finished)
+    assert "resumed from step_000006 (written by 4 ranks) at step 6 on 2 ranks" in finished.stdout, finished
+    whole = run_lesson(lesson, "--dir", tmp_path / "whole", nproc=3, launcher="python", timeout=TIMEOUT)
+    assert_ok(whole)
+    assert abs(checksum(finished) - checksum(whole)) < 1e-3, (finished, whole)
+
+
+def test_batch_must_divide():
+    assert_fails(run_lesson("fsdp_basics/fsdp_minimal.py", "--batch", "49", nproc=2, launcher="python",
+                            timeout=TIMEOUT), "must divide by 2 ranks", within=2)

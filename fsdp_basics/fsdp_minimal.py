@@ -1,8 +1,9 @@
 """FSDP2 in its smallest form: fully_shard each block, then the root; train; match DDP.
 
 fully_shard(block) turns the block's parameters into DTensors sharded on dim 0 (rank r
-keeps rows r*ceil(n/N) up to (r+1)*ceil(n/N); the last ranks fewer, or none) and groups them: one all_gather before the block's forward,
-one reduce_scatter of its gradients in backward. fully_shard(model) last takes the rest
+keeps rows r*ceil(n/N) up to (r+1)*ceil(n/N); the last ranks fewer, or none) and groups
+them: one all_gather before the block's forward, one reduce_scatter of its gradients in
+backward. fully_shard(model) last takes the rest
 (here the input and head layers) and makes the root, which runs the first all_gather.
 reshard_after_forward=True (the default for all but the root) frees a block's full
 parameters after its forward and gathers them again in backward: least memory, one more

@@ -72,7 +72,8 @@ def main(args, ctx):
         losses[name] = torch.stack(losses[name])
         dist.all_reduce(losses[name], op=dist.ReduceOp.AVG)  # the global batch's loss per step
 
-    print0("dtypes (block 0 of the bf16 policy unless marked):\n" + "\n".join(f"  {key:<16} {value}" for key, value in seen.items()))
+    print0("dtypes (block 0 of the bf16 policy unless marked):")
+    print0("\n".join(f"  {key:<16} {value}" for key, value in seen.items()))
     diff = (losses["bf16"] - losses["fp32"]).abs()
     print0(f"loss fp32 {losses['fp32'][0]:.4f} -> {losses['fp32'][-1]:.4f}, "
            f"bf16 {losses['bf16'][0]:.4f} -> {losses['bf16'][-1]:.4f}; "

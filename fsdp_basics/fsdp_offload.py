@@ -36,6 +36,11 @@ def init_linear_(weight, bias):
     nn.init.uniform_(bias, -bound, bound)
 
 
+def max_diff(sharded, plain):
+    """Largest |difference| between a sharded model and a plain one (full_tensor(): a collective)."""
+    return max((p.full_tensor() - q).abs().max().item() for p, q in zip(sharded.parameters(), plain.parameters()))
+
+
 def build_sharded(args, offload):
     with torch.device("meta"):
         model = BlockMLP(args.width, args.depth)  # shapes only
@@ -67,7 +72,7 @@ def main(args, ctx):
     torch.manual_seed(args.seed)
     reference = BlockMLP(args.width, args.depth)  # built normally, in one process
     full_bytes = sum(p.untyped_storage().nbytes() for p in reference.parameters())
-    init_diff = max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    init_diff = max_diff(model, reference)
 
     # What reset_parameters() on the shards would have given, for comparison.
     naive = build_sharded(args, offload)
@@ -75,7 +80,7 @@ def main(args, ctx):
     for module in naive.modules():
         if isinstance(module, nn.Linear):
             module.reset_parameters()
-    naive_diff = max((p.full_tensor() - q).abs().max().item() for p, q in zip(naive.parameters(), reference.parameters()))
+    naive_diff = max_diff(naive, reference)
     del naive
 
     x, y = make_data(args.batch * args.steps)
@@ -95,12 +100,13 @@ def main(args, ctx):
     devices = {param.device.type, next(iter(opt.state.values()))["exp_avg"].device.type}
     print_in_order(f"allocated {held:,} B of parameters ({held / full_bytes:.3f} of the full {full_bytes:,} B); "
                    f"shards and Adam state on {', '.join(sorted(devices))}")
-    train_diff = max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    train_diff = max_diff(model, reference)
     print0(f"init one parameter at a time: max |param - normal build| = {init_diff:.1e}; "
            f"reset_parameters() on the {ctx.device.type} shards instead: {naive_diff:.1e}")
     print0(f"after {args.steps} Adam steps: max |param - single process| = {train_diff:.2e} (tolerance {args.tol:g})")
     if init_diff != 0 or train_diff > args.tol or devices != {"cpu"}:
-        raise RuntimeError(f"meta init or offloaded training is off: init {init_diff}, training {train_diff}, {devices}")
+        raise RuntimeError(f"meta init or offloaded training is off: init {init_diff}, training {train_diff}, "
+                           f"state on {devices}")
     print0(f"OK: built sharded from the meta device on {ctx.world_size} ranks (each allocating "
            f"{held / full_bytes:.3f} of the parameters), equal to the normal build; trained offloaded like one process")
 

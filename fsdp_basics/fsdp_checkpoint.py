@@ -86,8 +86,10 @@ def main(args, ctx):
         print0(f"resumed from {name} (written by {saved_at} ranks) at step {start} on {ctx.world_size} ranks")
         ctx.require(start < stop, f"--resume: the checkpoint is at step {start}, nothing left before step {stop}")
     elif ctx.rank == 0:  # a fresh run: no checkpoint of an earlier run may be mistaken for ours
-        shutil.rmtree(root, ignore_errors=True)
-        root.mkdir(parents=True)
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "latest").unlink(missing_ok=True)  # first, so that no pointer names a deleted directory
+        for old in root.glob("step_*"):
+            shutil.rmtree(old)
     dist.barrier()
 
     per_rank = args.batch // ctx.world_size

@@ -95,7 +95,7 @@ def main(args, ctx):
            f"max |param FSDP - param DDP| {worst:.2e} (tolerance {args.tol:g})")
     if worst > args.tol or worst_loss > args.tol:
         raise RuntimeError(f"FSDP and DDP differ by {max(worst, worst_loss):.2e}")
-    if not held[True] < held[False]:
+    if ctx.world_size > 1 and not held[True] < held[False]:  # at 1 rank the shard is the block
         raise RuntimeError("reshard_after_forward=True should hold less between forward and backward")
     print0(f"OK: fully_shard per block + root on {ctx.world_size} ranks trains like DDP for {args.steps} steps "
            f"(max diff {max(worst, worst_loss):.1e}); a block holds {held[True]} B instead of {held[False]} B "

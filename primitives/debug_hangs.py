@@ -143,14 +143,24 @@ def part_d(ctx, timeout, missing):
     faulthandler.register(signal.SIGUSR1, file=dumps, all_threads=True)  # put this in your training script
     dist.barrier()
     if ctx.rank != missing:
-        # From a shell this is `kill -USR1 PID`; here a timer does it while the rank is stuck.
-        timer = threading.Timer(timeout.total_seconds() / 2, os.kill, (os.getpid(), signal.SIGUSR1))
-        timer.start()
+        # From a shell this is `kill -USR1 PID`; here a thread does it while the rank is stuck. The
+        # thread stays alive until the broadcast returns: the handler walks every thread's stack,
+        # and a thread that exits during that walk can crash it.
+        done = threading.Event()
+
+        def poke():
+            time.sleep(timeout.total_seconds() / 2)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+            done.wait()
+
+        poker = threading.Thread(target=poke)
+        poker.start()
         try:
             dist.broadcast(torch.ones(4), src=missing, group=side)  # the source never sends: stuck
         except RuntimeError:
             pass  # part (c) showed this error; here we want the stack taken while it waited
-        timer.join()  # the signal must arrive while our handler is registered (default action: exit)
+        done.set()
+        poker.join()  # the signal must arrive while our handler is registered (default action: exit)
     dist.barrier()
     dist.destroy_process_group(side)
     faulthandler.unregister(signal.SIGUSR1)

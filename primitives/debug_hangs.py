@@ -22,6 +22,7 @@ import faulthandler
 import os
 import re
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -156,6 +157,7 @@ def part_d(ctx, timeout, missing):
         poker = threading.Thread(target=poke)
         poker.start()
         try:
+            waits_at = f"line {sys._getframe().f_lineno + 1} in part_d"  # what the dump should show
             dist.broadcast(torch.ones(4), src=missing, group=side)  # the source never sends: stuck
         except RuntimeError:
             pass  # part (c) showed this error; here we want the stack taken while it waited
@@ -169,10 +171,10 @@ def part_d(ctx, timeout, missing):
     dumps.close()
     shown = "\n".join(frames) if ctx.rank != missing else "not stuck: no stack asked for"
     print_in_order(f"pid {os.getpid()}; Python stack taken by SIGUSR1 while waiting (frames in this file):\n{shown}")
-    ok = torch.tensor([int(ctx.rank == missing or any("part_d" in f for f in frames))], device=ctx.device)
+    ok = torch.tensor([int(ctx.rank == missing or any(waits_at in f for f in frames))], device=ctx.device)
     dist.all_reduce(ok)
     if ok.item() != ctx.world_size:
-        raise RuntimeError("a stuck rank's faulthandler dump did not show where it waited (part_d)")
+        raise RuntimeError("a stuck rank's faulthandler dump did not show the broadcast it waited in")
     pids = [None] * ctx.world_size
     dist.all_gather_object(pids, os.getpid())  # pickles: fine between our own ranks
     print0(f"-> each stuck rank's dump shows the line of the broadcast it waited in. Without changing the code: "

@@ -48,6 +48,13 @@ class Context:
         if not ok:
             raise UsageError(message)
 
+    def require_point_to_point(self):
+        """send/recv/isend/irecv: NCCL takes CUDA tensors, Gloo CPU tensors only (the backend table of
+        https://pytorch.org/docs/stable/distributed.html#backends), so Gloo with CUDA tensors cannot run them."""
+        self.require(not (self.backend == "gloo" and self.device.type != "cpu"),
+                     f"point-to-point on gloo needs CPU tensors, not {self.device.type}: "
+                     "use --backend nccl (one GPU per rank) or --device cpu")
+
 
 def lesson_parser(doc, default_nproc=None):
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -130,12 +137,18 @@ def _run_rank(main, args, init=True):
             dist.destroy_process_group()
 
 
+def _exit(code):
+    """Leave now that the group is destroyed. Skipping the interpreter's teardown avoids a rare
+    abort there ("terminate called without an active exception", from Gloo's threads)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _spawned(local_rank, main, args, nproc, port, init):
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    code = _run_rank(main, args, init)
-    if code:
-        sys.exit(code)
+    _exit(_run_rank(main, args, init))
 
 
 def free_port():
@@ -150,7 +163,7 @@ def run(main, args, init_process_group=True):
     init_process_group=False leaves the init to main (primitives/init_methods.py).
     """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun, Slurm + torchrun, a platform
-        sys.exit(_run_rank(main, args, init_process_group))
+        _exit(_run_rank(main, args, init_process_group))
     nproc = args.nproc
     if nproc is None:
         wants_cpu = args.backend == "gloo" or args.device == "cpu"

@@ -16,3 +16,9 @@ def pytest_sessionstart(session):
     if Path(module.__file__).resolve().parents[1] != ROOT:
         pytest.exit(f"`launch` is imported from {module.__file__}, not this checkout: "
                     "run `pip install -r requirements.txt` here", 2)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--gpu", action="store_true",
+                     help="GPU mode: also run every lesson on this machine's GPUs with NCCL at each world size "
+                          "from 1 to the number of GPUs, and with Gloo on CUDA tensors at 2 ranks (tests/test_gpu.py)")

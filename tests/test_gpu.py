@@ -1,0 +1,131 @@
+"""The GPU mode of the suite: `pytest --gpu` on a machine with CUDA GPUs.
+
+Every lesson runs under torchrun with NCCL (`--backend nccl`, one rank per GPU) at each world
+size from 1 up to the number of GPUs that the lesson accepts, and with Gloo on CUDA tensors
+(`--backend gloo --device cuda`) at 2 ranks, which may share one GPU: lessons that support it
+must print OK, lessons whose calls Gloo cannot do on CUDA tensors (send/recv) must refuse with
+one line. Without `--gpu`, or on a machine without a GPU, every test here skips with one reason;
+the CPU suite is the same either way. On a GPU node it doubles as a check that the node works:
+
+    pytest --gpu tests/test_gpu.py            # only the GPU mode
+    pytest --gpu tests/test_gpu.py -k nccl    # NCCL only
+"""
+import os
+
+import pytest
+import torch
+
+from harness import assert_fails, assert_ok, run_lesson
+
+TIMEOUT = 300
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+MAX_WORLD = 8  # the sizes the lessons promise: 1, 2, 4 and 8 GPUs (and what lies between)
+
+# lesson -> min_ranks: smallest NCCL world; gloo_cuda: runs on Gloo with CUDA tensors (False: it
+# must refuse with one line); args: extra arguments for a short run; launcher: how a reader starts it.
+ANY, P2P = dict(min_ranks=1, gloo_cuda=True), dict(min_ranks=2, gloo_cuda=False)
+LESSONS = {
+    "primitives/hello_distributed.py": dict(min_ranks=1, gloo_cuda=None),  # no --device flag: NCCL or CPU
+    "primitives/init_methods.py": ANY,
+    "primitives/point_to_point.py": P2P,
+    "primitives/deadlock.py": P2P,
+    "primitives/async_point_to_point.py": P2P,
+    "primitives/ring_exchange.py": P2P,
+    "primitives/broadcast.py": ANY,
+    "primitives/reduce.py": ANY,
+    "primitives/all_reduce.py": ANY,
+    "primitives/gather.py": ANY,
+    "primitives/all_gather.py": ANY,
+    "primitives/scatter.py": ANY,
+    "primitives/reduce_scatter.py": ANY,
+    "primitives/all_to_all.py": ANY,
+    "primitives/barrier.py": ANY,
+    "primitives/async_collectives.py": ANY,
+    "primitives/object_collectives.py": ANY,
+    "primitives/process_groups.py": dict(min_ranks=2, gloo_cuda=True),
+    "primitives/device_mesh.py": ANY,
+    "primitives/stores.py": ANY,
+    "primitives/distributed_softmax.py": ANY,
+    "primitives/ring_all_reduce.py": P2P,
+    "primitives/weight_sync.py": dict(min_ranks=2, gloo_cuda=True),
+    "primitives/backend_matrix.py": dict(min_ranks=2, gloo_cuda=True),
+    "primitives/benchmark_collectives.py": dict(min_ranks=2, gloo_cuda=False, args=["--max-bytes", "64M"]),
+    "primitives/debug_hangs.py": dict(min_ranks=2, gloo_cuda=True),
+    "primitives/gil_threads_vs_processes.py": dict(min_ranks=2, gloo_cuda=True),
+    "launch/print_env.py": ANY,
+    "launch/legacy_launch.py": ANY,
+    "launch/elastic.py": ANY,
+    "ddp_basics/manual_data_parallel.py": ANY,
+    "ddp_basics/ddp_minimal.py": ANY,
+    "ddp_basics/ddp_checkpoint.py": ANY,
+    "ddp_basics/ddp_grad_accumulation.py": ANY,
+    "ddp_basics/ddp_mixed_precision.py": ANY,
+    "ddp_basics/ddp_comm_hooks.py": ANY,
+    "ddp_basics/ddp_uneven_inputs.py": dict(min_ranks=2, gloo_cuda=True),
+    "ddp_basics/ddp_unused_parameters.py": ANY,
+    "ddp_basics/syncbatchnorm.py": ANY,
+    "ddp_basics/dataparallel_vs_ddp.py": ANY,
+    "ddp_basics/benchmark_ddp.py": ANY,
+    "fsdp_basics/zero_by_hand.py": ANY,
+    "fsdp_basics/fsdp_minimal.py": ANY,
+    "fsdp_basics/fsdp_mixed_precision.py": ANY,
+    "fsdp_basics/fsdp_memory.py": ANY,
+    "fsdp_basics/fsdp_checkpoint.py": ANY,
+    "fsdp_basics/fsdp_offload.py": ANY,
+    "transformer_basics/train.py": dict(min_ranks=1, gloo_cuda=True, args=["--steps", "60"]),
+    "transformer_basics/train_2d.py": dict(min_ranks=1, gloo_cuda=True, args=["--steps", "30"]),
+    "transformer_basics/tensor_parallel.py": ANY,
+    "transformer_basics/pipeline_parallel.py": P2P,
+    "transformer_basics/benchmark.py": ANY,
+}
+# Not here, with the reason: launch/spawn_template.py is a CPU/Gloo template that starts its own
+# processes (no device choice); the shell scripts (multinode_local.sh, netns_two_hosts.sh,
+# slurm.sbatch) launch the lessons above in other ways and are covered by the CPU suite.
+
+
+def gpu_mode_reason(config):
+    if not config.getoption("--gpu"):
+        return "GPU mode: run `pytest --gpu` on a machine with CUDA GPUs"
+    if GPUS == 0:
+        return "GPU mode: no CUDA GPU on this machine (torch.cuda.device_count() is 0)"
+    return None
+
+
+def gpu_env():
+    """The CPU suite may hide the GPUs from the lessons; these runs must see them."""
+    return {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(GPUS))))}
+
+
+def pytest_generate_tests(metafunc):
+    """Cases only where they can run: without the GPU mode, one skipped test says why."""
+    reason = gpu_mode_reason(metafunc.config)
+    if "nccl_case" in metafunc.fixturenames:
+        cases = [pytest.param(None, marks=pytest.mark.skip(reason=reason), id="off")] if reason else [
+            pytest.param((lesson, n), id=f"{n}-{lesson}") if spec["min_ranks"] <= GPUS else
+            pytest.param(None, id=f"{spec['min_ranks']}-{lesson}", marks=pytest.mark.skip(
+                reason=f"needs {spec['min_ranks']} GPUs, this machine has {GPUS}"))
+            for lesson, spec in LESSONS.items() for n in range(spec["min_ranks"], max(spec["min_ranks"], min(GPUS, MAX_WORLD)) + 1)]
+        metafunc.parametrize("nccl_case", cases)
+    if "gloo_case" in metafunc.fixturenames:
+        cases = [pytest.param(None, marks=pytest.mark.skip(reason=reason), id="off")] if reason else [
+            pytest.param(lesson, id=lesson) for lesson, spec in LESSONS.items() if spec["gloo_cuda"] is not None]
+        metafunc.parametrize("gloo_case", cases)
+
+
+def test_lesson_on_nccl(nccl_case):
+    lesson, nproc = nccl_case
+    result = run_lesson(lesson, "--backend", "nccl", *LESSONS[lesson].get("args", ()), nproc=nproc,
+                        timeout=TIMEOUT, env=gpu_env())
+    assert_ok(result)
+    assert "nccl" in result.stdout, f"the lesson did not say it used NCCL\n{result}"
+
+
+def test_lesson_on_gloo_with_cuda_tensors(gloo_case):
+    lesson, spec = gloo_case, LESSONS[gloo_case]
+    result = run_lesson(lesson, "--backend", "gloo", "--device", "cuda", *spec.get("args", ()), nproc=2,
+                        timeout=TIMEOUT, env=gpu_env())
+    if spec["gloo_cuda"]:
+        assert_ok(result)
+        assert "backend gloo, device cuda" in result.stdout, result
+    else:
+        assert_fails(result, "needs CPU tensors", within=2)

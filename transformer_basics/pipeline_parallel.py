@@ -8,7 +8,11 @@ order each stage runs forward (F) and backward (B) of each micro-batch:
   1F1B    after a warm-up, one F then one B: the same bubble, at most p micro-batches held.
 Either way a stage idles (p-1) of (m+p-1) time slots (p stages, m micro-batches): the
 bubble, printed below. The check: each step's loss and the updated parameters equal
-single-process training of the whole model on the whole batch.
+single-process training of the whole model on the whole batch. One rank is a pipeline of one
+stage (no bubble); the 8 blocks split over up to 8 ranks. The schedules post their own
+sends and receives, mixed ones grouped in dist.batch_isend_irecv so that NCCL cannot
+deadlock (torch 2.13, torch/distributed/pipelining/schedules.py, _batch_p2p); Gloo sends
+CPU tensors only, so Gloo with CUDA tensors is refused up front.
 
     torchrun --nproc_per_node=2 transformer_basics/pipeline_parallel.py
     python transformer_basics/pipeline_parallel.py --nproc 4 --schedule 1f1b --microbatches 8

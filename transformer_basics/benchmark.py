@@ -12,7 +12,7 @@ machine slows them alike; a step time is the median over steps of the slowest ra
 The check: ddp, fsdp and tp train one model on one global batch, so their losses must agree.
 
     torchrun --nproc_per_node=2 transformer_basics/benchmark.py
-    torchrun --nproc_per_node=8 transformer_basics/benchmark.py --n-layer 12 --n-head 12 --n-embd 768 --block-size 1024
+    torchrun --nproc_per_node=8 transformer_basics/benchmark.py --n-layer 12 --n-head 16 --n-embd 768 --block-size 1024
 
 Timings on a CPU shared with other work are noisy; compare modes within one run.
 Docs: https://pytorch.org/docs/stable/distributed.html
@@ -40,10 +40,11 @@ def build(mode, base, ctx):
     model = copy.deepcopy(base)
     if mode == "ddp":
         model = DDP(model, device_ids=None if ctx.device.type == "cpu" else [ctx.device])
-    elif mode == "fsdp":
+    elif mode == "fsdp":  # an explicit mesh: without one FSDP2 picks the accelerator even on CPU + Gloo
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         for block in model.blocks.values():
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     elif mode == "tp":
         apply_tensor_parallel(model, init_device_mesh(ctx.device.type, (ctx.world_size,)), False)
     # fused AdamW cannot mix DTensors and plain tensors in one kernel (tp shards only the blocks)
@@ -110,7 +111,7 @@ def main(args, ctx):
 
     rows, losses = [], {}
     for mode, r in runs.items():
-        times = torch.tensor(r["times"])
+        times = torch.tensor(r["times"], device=ctx.device)  # NCCL takes device tensors only
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step is done when the slowest rank is done
         step_time = times.median().item()  # the median: robust to a burst of other work
         loss = r["loss"].clone()
@@ -140,5 +141,5 @@ if __name__ == "__main__":
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=8, help="windows per rank per step")
     parser.add_argument("--tol", type=float, default=1e-3, help="largest loss spread accepted between modes")
-    add_model_args(parser, n_layer=4, n_head=12, n_embd=192, block_size=128)
+    add_model_args(parser, n_layer=4, n_head=24, n_embd=192, block_size=128)  # tp: 24 heads split 1, 2, 3, 4, 6, 8 ways
     run(main, parser.parse_args())

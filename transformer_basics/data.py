@@ -52,7 +52,7 @@ def generate_corpus(n_sentences=12000, seed=1234):
 
 
 def encode(text):
-    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long, device="cpu")  # batches move to the device
 
 
 def decode(tokens):
@@ -105,7 +105,7 @@ class ShardedWindows:
     def order(self, epoch):
         if self._order[0] != epoch:  # one permutation per epoch, the same on every rank
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._order = (epoch, torch.randperm(self.n_windows, generator=g))
+            self._order = (epoch, torch.randperm(self.n_windows, generator=g, device="cpu"))
         return self._order[1]
 
     def indices(self, step, micro_step, batch_size, accum):
@@ -120,8 +120,8 @@ class ShardedWindows:
 
     def batch(self, step, micro_step, batch_size, accum=1):
         """(x, y) on the CPU: y is x shifted by one token."""
-        starts = torch.tensor(self.indices(step, micro_step, batch_size, accum)) * self.block_size
-        rows = self.tokens[starts[:, None] + torch.arange(self.block_size + 1)]
+        starts = torch.tensor(self.indices(step, micro_step, batch_size, accum), device="cpu") * self.block_size
+        rows = self.tokens[starts[:, None] + torch.arange(self.block_size + 1, device="cpu")]
         return rows[:, :-1], rows[:, 1:]
 
 

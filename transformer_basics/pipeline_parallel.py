@@ -8,7 +8,11 @@ order each stage runs forward (F) and backward (B) of each micro-batch:
   1F1B    after a warm-up, one F then one B: the same bubble, at most p micro-batches held.
 Either way a stage idles (p-1) of (m+p-1) time slots (p stages, m micro-batches): the
 bubble, printed below. The check: each step's loss and the updated parameters equal
-single-process training of the whole model on the whole batch.
+single-process training of the whole model on the whole batch. One rank is a pipeline of one
+stage (no bubble); the 8 blocks split over up to 8 ranks. The schedules post their own
+sends and receives, mixed ones grouped in dist.batch_isend_irecv so that NCCL cannot
+deadlock (torch 2.13, torch/distributed/pipelining/schedules.py, _batch_p2p); Gloo sends
+CPU tensors only, so Gloo with CUDA tensors is refused up front.
 
     torchrun --nproc_per_node=2 transformer_basics/pipeline_parallel.py
     python transformer_basics/pipeline_parallel.py --nproc 4 --schedule 1f1b --microbatches 8
@@ -48,7 +52,7 @@ def loss_fn(logits, targets):
 
 def main(args, ctx):
     p, m, rank = ctx.world_size, args.microbatches, ctx.rank
-    ctx.require(p >= 2, "a pipeline needs at least 2 stages: run with --nproc_per_node=2 or more")
+    ctx.require_point_to_point()  # stages exchange activations and gradients with send/recv
     ctx.require(args.n_layer >= p, f"--n-layer {args.n_layer} is fewer than the {p} stages: each stage needs a block")
     ctx.require(args.batch_size % m == 0, f"--batch-size {args.batch_size} must be a multiple of --microbatches {m}")
     ctx.require(args.schedule != "1f1b" or m >= p, f"1F1B needs at least as many micro-batches as stages: "
@@ -67,8 +71,10 @@ def main(args, ctx):
     schedule = schedule_class(stage, n_microbatches=m, loss_fn=loss_fn)
     # Weight tying across stages: the embedding (first stage) and the head (last stage) are one
     # matrix in the whole model; here they are two copies, kept equal by summing their gradients.
-    tie_group = dist.new_group([0, p - 1])      # every rank calls new_group, members or not
-    tied = stage_model.wte.weight if rank == 0 else stage_model.lm_head.weight if rank == p - 1 else None
+    tie_group = dist.new_group(sorted({0, p - 1}))  # every rank calls new_group, members or not
+    # (one stage holds both ends: the tie is real there, nothing to sum)
+    tied = None if p == 1 else stage_model.wte.weight if rank == 0 else \
+        stage_model.lm_head.weight if rank == p - 1 else None
 
     opt = torch.optim.SGD(stage_model.parameters(), lr=args.lr)   # SGD: see tensor_parallel.py
     ref_opt = torch.optim.SGD(reference.parameters(), lr=args.lr)
@@ -78,7 +84,9 @@ def main(args, ctx):
     for step in range(args.steps):
         x, y = (t.to(ctx.device) for t in windows.batch(step, 0, args.batch_size))
         losses = []                             # filled on the last stage, one per micro-batch
-        if rank == 0:
+        if p == 1:
+            schedule.step(x, target=y, losses=losses)  # one stage: both ends of the pipeline
+        elif rank == 0:
             schedule.step(x)                    # the first stage feeds the inputs...
         elif rank == p - 1:
             schedule.step(target=y, losses=losses)  # ...the last one the targets
@@ -123,5 +131,5 @@ if __name__ == "__main__":
     parser.add_argument("--lr", type=float, default=0.2)
     parser.add_argument("--tol", type=float, default=2e-5, help="largest difference accepted (float32)")
     parser.add_argument("--seed", type=int, default=0)
-    add_model_args(parser, n_layer=4, n_embd=64, block_size=32)
+    add_model_args(parser, n_layer=8, n_embd=64, block_size=32)  # 8 blocks: up to 8 stages
     run(main, parser.parse_args())

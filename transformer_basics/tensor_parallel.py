@@ -133,5 +133,5 @@ if __name__ == "__main__":
     parser.add_argument("--lr", type=float, default=0.2)
     parser.add_argument("--tol", type=float, default=2e-5, help="largest difference accepted (float32)")
     parser.add_argument("--seed", type=int, default=0)
-    add_model_args(parser, n_layer=2, n_head=12, n_embd=96, block_size=24)  # 12 heads: 1, 2, 3, 4, 6 ranks
+    add_model_args(parser, n_layer=2, n_head=24, n_embd=192, block_size=24)  # 24 heads, 24 tokens: 1, 2, 3, 4, 6, 8 ranks
     run(main, parser.parse_args())

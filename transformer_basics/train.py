@@ -33,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
@@ -72,8 +73,23 @@ def export_full_model(model, cfg, path, rank):
         os.replace(f"{path}.tmp", path)  # a reader never sees half a file
 
 
+def rng_states(device):
+    """The CPU generator's state and, on an accelerator, that device's own (dropout on a GPU draws
+    from the GPU's generator): both are CPU uint8 tensors, whichever device they describe."""
+    states = {"rng": torch.get_rng_state()}
+    if device.type != "cpu":
+        states[f"rng_{device.type}"] = torch.get_device_module(device).get_rng_state(device)
+    return states
+
+
+def set_rng_states(states, device):
+    torch.set_rng_state(states["rng"])
+    if device.type != "cpu":
+        torch.get_device_module(device).set_rng_state(states[f"rng_{device.type}"], device)
+
+
 def save_checkpoint(model, optimizer, scheduler, step, args, ctx, path):
-    extra = {"scheduler": scheduler.state_dict(), "step": step, "rng": torch.get_rng_state()}
+    extra = {"scheduler": scheduler.state_dict(), "step": step, **rng_states(ctx.device)}
     if "fsdp" in args.parallel:  # every rank writes its own shards: nothing is gathered
         model_sd, optim_sd = get_state_dict(model, optimizer)
         tmp = f"{path}.tmp"
@@ -95,11 +111,11 @@ def save_checkpoint(model, optimizer, scheduler, step, args, ctx, path):
         dist.barrier()  # nobody reads or rewrites the checkpoint before it is complete
 
 
-def load_checkpoint(model, optimizer, scheduler, args, path):
+def load_checkpoint(model, optimizer, scheduler, args, ctx, path):
     if "fsdp" in args.parallel:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
-                 "step": 0, "rng": torch.get_rng_state()}
+                 "step": 0, **rng_states(ctx.device)}
         dcp.load(state, checkpoint_id=path)  # each rank reads the shards it owns
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     else:
@@ -107,7 +123,7 @@ def load_checkpoint(model, optimizer, scheduler, args, path):
         (model.module if args.parallel == "ddp" else model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["rng"])  # every rank draws the same numbers (same seed), so rank 0's state is everyone's
+    set_rng_states(state, ctx.device)  # every rank draws the same numbers (same seed), so rank 0's state is everyone's
     return state["step"]
 
 
@@ -138,14 +154,15 @@ def main(args, ctx):
     # ---- the parallelism: these lines are what train_2d.py changes ----
     if args.parallel == "ddp":
         model = DDP(model, device_ids=None if ctx.device.type == "cpu" else [ctx.device])
-    elif args.parallel == "fsdp":
+    elif args.parallel == "fsdp":  # a mesh of ctx.device's type: FSDP2 would pick the GPU even on CPU + Gloo
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         for block in model.blocks.values():  # one all-gather per block, freed after use
-            fully_shard(block)
-        fully_shard(model)  # the rest (embeddings, final norm, head) as the root's group
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)  # the rest (embeddings, final norm, head) as the root's group
     # --------------------------------------------------------------------
     optimizer = make_optimizer(model, args)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args))
-    start = load_checkpoint(model, optimizer, scheduler, args, ckpt_path) if args.resume else 0
+    start = load_checkpoint(model, optimizer, scheduler, args, ctx, ckpt_path) if args.resume else 0
     ctx.require(start < args.steps, f"--resume: the checkpoint is at step {start}, nothing left of --steps {args.steps}")
     print0(f"model: {n_params / 1e6:.2f}M parameters, {cfg}; {args.parallel} on {ctx.world_size} rank(s)"
            + (f", resumed at step {start}" if args.resume else ""))

@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=4 transformer_basics/train_2d.py                  # 2 x 2 on CPU
     python transformer_basics/train_2d.py --nproc 4 --tp 2 --sequence-parallel
-    torchrun --nnodes=2 --nproc_per_node=8 ... transformer_basics/train_2d.py --tp 8 --gpt2-small   # TP in a node, FSDP across
+    torchrun --nnodes=2 --nproc_per_node=8 ... transformer_basics/train_2d.py --tp 4 --gpt2-small   # TP in a node, FSDP across
 
 The ranks form a dp x tp grid. Along tp (ranks of one row, best within one node: TP talks
 in every layer) each block's matrices are split as in tensor_parallel.py; along dp (the
@@ -77,18 +77,25 @@ def clip_grad_norm_2d(model, max_norm):
     return total
 
 
-def check_first_step(model, reference, batches, tol):
-    """The unsharded model on the whole global batch (every dp row's windows) must produce the
-    same gradients as the 2-D model: a check, run once, on every rank (float32 only)."""
-    for x, y in batches:
-        loss = F.cross_entropy(reference(x).flatten(0, 1), y.flatten()) / len(batches)
-        loss.backward()
+def check_first_step(model, reference, local_batches, global_batches, tol):
+    """Before training, on every rank and device: the 2-D model on this rank's windows and the
+    unsharded model on the whole global batch (every dp row's) must produce the same gradients.
+    In float32 without dropout (eval mode), whatever --dtype and --dropout train with: both models
+    are then the same function, so only the order of sums differs (reduce-scatter over dp, TP's
+    all_reduce, matmul splits), a few float32 ulps of each gradient, far below --tol 2e-5."""
+    model.eval(), reference.eval()
+    for x, y in local_batches:
+        (F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / len(local_batches)).backward()
+    for x, y in global_batches:
+        (F.cross_entropy(reference(x).flatten(0, 1), y.flatten()) / len(global_batches)).backward()
     worst = 0.0
     for (name, p), ref_p in zip(model.named_parameters(), reference.parameters()):
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         worst = max(worst, (grad - ref_p.grad).abs().max().item())
         if worst > tol:
             raise RuntimeError(f"first step: gradient of {name} differs from the unsharded model's by {worst:.2e}")
+    model.zero_grad(set_to_none=True)
+    model.train()
     return worst
 
 
@@ -100,8 +107,23 @@ def export_full_model(model, cfg, path, rank):
         os.replace(f"{path}.tmp", path)  # a reader never sees half a file
 
 
+def rng_states(device):
+    """The CPU generator's state and, on an accelerator, that device's own (dropout on a GPU draws
+    from the GPU's generator): both are CPU uint8 tensors, whichever device they describe."""
+    states = {"rng": torch.get_rng_state()}
+    if device.type != "cpu":
+        states[f"rng_{device.type}"] = torch.get_device_module(device).get_rng_state(device)
+    return states
+
+
+def set_rng_states(states, device):
+    torch.set_rng_state(states["rng"])
+    if device.type != "cpu":
+        torch.get_device_module(device).set_rng_state(states[f"rng_{device.type}"], device)
+
+
 def save_checkpoint(model, optimizer, scheduler, step, args, ctx, path):
-    extra = {"scheduler": scheduler.state_dict(), "step": step, "rng": torch.get_rng_state()}
+    extra = {"scheduler": scheduler.state_dict(), "step": step, **rng_states(ctx.device)}
     if "fsdp" in args.parallel:  # every rank writes its own shards: nothing is gathered
         model_sd, optim_sd = get_state_dict(model, optimizer)
         tmp = f"{path}.tmp"
@@ -123,11 +145,11 @@ def save_checkpoint(model, optimizer, scheduler, step, args, ctx, path):
         dist.barrier()  # nobody reads or rewrites the checkpoint before it is complete
 
 
-def load_checkpoint(model, optimizer, scheduler, args, path):
+def load_checkpoint(model, optimizer, scheduler, args, ctx, path):
     if "fsdp" in args.parallel:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
-                 "step": 0, "rng": torch.get_rng_state()}
+                 "step": 0, **rng_states(ctx.device)}
         dcp.load(state, checkpoint_id=path)  # each rank reads the shards it owns
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     else:
@@ -135,11 +157,12 @@ def load_checkpoint(model, optimizer, scheduler, args, path):
         (model.module if args.parallel == "ddp" else model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["rng"])  # every rank draws the same numbers (same seed), so rank 0's state is everyone's
+    set_rng_states(state, ctx.device)  # every rank draws the same numbers (same seed), so rank 0's state is everyone's
     return state["step"]
 
 
 def main(args, ctx):
+    args.tp = args.tp or (2 if ctx.world_size % 2 == 0 else 1)  # the default: 1 x 1, 2 x 1, 2 x 2, 4 x 2 ...
     ctx.require(ctx.world_size % args.tp == 0, f"{ctx.world_size} ranks do not form a grid with --tp {args.tp}: "
                                                f"the world size must be a multiple of --tp")
     dp = ctx.world_size // args.tp
@@ -178,7 +201,7 @@ def main(args, ctx):
     # --------------------------------------------------------------------
     optimizer = make_optimizer(model, args)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args))
-    start = load_checkpoint(model, optimizer, scheduler, args, ckpt_path) if args.resume else 0
+    start = load_checkpoint(model, optimizer, scheduler, args, ctx, ckpt_path) if args.resume else 0
     ctx.require(start < args.steps, f"--resume: the checkpoint is at step {start}, nothing left of --steps {args.steps}")
     print0(f"model: {n_params / 1e6:.2f}M parameters, {cfg}; {args.parallel} on {ctx.world_size} rank(s)"
            + (f", resumed at step {start}" if args.resume else ""))
@@ -186,10 +209,6 @@ def main(args, ctx):
     use_bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and ctx.device.type == "cuda"
                                             and torch.cuda.is_bf16_supported())
     autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=use_bf16)
-    if reference is not None and (use_bf16 or args.dropout):
-        print0("check skipped: bf16 rounding and dropout masks differ between sharded and whole model; "
-               "--dtype float32 --dropout 0 checks step 0")
-        reference = None
     tokens_per_step = args.batch_size * args.accum * args.block_size * dp
 
     def get_batch(windows, step, micro):
@@ -216,6 +235,14 @@ def main(args, ctx):
         if ctx.device.type != "cpu":
             torch.accelerator.synchronize()
 
+    if reference is not None:
+        local = [get_batch(train_data, 0, micro) for micro in range(args.accum)]
+        whole = [get_batch(data.ShardedWindows(train_tokens, args.block_size, d, dp, args.seed), 0, micro)
+                 for d in range(dp) for micro in range(args.accum)]
+        worst = check_first_step(model, reference, local, whole, args.tol)
+        print0(f"check: step 0's gradients (float32) equal the unsharded model's on the global batch "
+               f"(max diff {worst:.1e})")
+        del reference
     stop = min(args.steps, start + args.stop_after) if args.stop_after else args.steps
     val_first = evaluate()
     train_losses, val_last = [], val_first
@@ -235,12 +262,6 @@ def main(args, ctx):
             loss = loss_of(*get_batch(train_data, step, micro)) / args.accum
             loss.backward()
             loss_sum += loss.detach()  # stays on the device: no host sync per step
-        if reference is not None and step == 0:
-            batches = [get_batch(data.ShardedWindows(train_tokens, args.block_size, d, dp, args.seed), 0, micro)
-                       for d in range(dp) for micro in range(args.accum)]
-            worst = check_first_step(model, reference, batches, args.tol)
-            print0(f"check: step 0's gradients equal the unsharded model's on the global batch (max diff {worst:.1e})")
-            reference = None
         clip_grad_norm_2d(model, args.grad_clip)
         optimizer.step()
         scheduler.step()
@@ -294,10 +315,12 @@ def main(args, ctx):
 def parse_args(argv=None):
     parser = lesson_parser(__doc__)
     parser.add_argument("--parallel", choices=["fsdp+tp"], default="fsdp+tp", help=argparse.SUPPRESS)
-    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size (a row of the mesh); dp = ranks / tp")
+    parser.add_argument("--tp", type=int, default=0,
+                        help="tensor-parallel size (a row of the mesh); dp = ranks / tp (default: 2 on an even world size, else 1)")
     parser.add_argument("--sequence-parallel", action="store_true", help="also split norms and activations by sequence")
     parser.add_argument("--check", type=int, default=1, help="1: check step 0 against the unsharded model")
-    parser.add_argument("--tol", type=float, default=2e-5, help="largest gradient difference the check accepts")
+    parser.add_argument("--tol", type=float, default=2e-5,
+                        help="largest gradient difference the check accepts (float32, see check_first_step)")
     parser.add_argument("--data", help="a UTF-8 text file (default: the corpus data.py generates)")
     parser.add_argument("--out", default="runs/gpt_2d", help="checkpoint directory (default: runs/gpt_2d)")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
@@ -322,7 +345,7 @@ def parse_args(argv=None):
     parser.add_argument("--bar-stdout", action="store_true", help="tqdm bar on stdout instead of stderr")
     parser.add_argument("--gpt2-small", action="store_true",
                         help="GPT-2 small: 12 layers, 12 heads, 768 wide, 1024 context, batch 8 x accum 8, lr 6e-4")
-    add_model_args(parser, n_head=12, n_embd=96, block_size=48)  # 12 heads: tp = 1, 2, 3, 4, 6
+    add_model_args(parser, n_head=12, n_embd=96, block_size=48)  # 12 heads, 48 tokens: tp = 1, 2, 3, 4, 6
     args = parser.parse_args(argv)
     if args.gpt2_small:
         args.n_layer, args.n_head, args.n_embd, args.block_size = 12, 12, 768, 1024

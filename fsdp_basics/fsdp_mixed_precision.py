@@ -18,6 +18,7 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from launch.dist_setup import lesson_parser, print0, run
@@ -26,16 +27,17 @@ from toy import BlockMLP, make_data
 
 def main(args, ctx):
     ctx.require(args.batch % ctx.world_size == 0, f"--batch {args.batch} must divide by {ctx.world_size} ranks")
-    x, y = make_data(args.batch * args.steps)
+    x, y = (t.to(ctx.device) for t in make_data(args.batch * args.steps))
     torch.manual_seed(0)
-    reference = BlockMLP(args.width, args.depth)
+    reference = BlockMLP(args.width, args.depth).to(ctx.device)
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))  # FSDP's mesh: on this run's device
     models = {}
     for name, policy in (("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
                          ("fp32", MixedPrecisionPolicy())):  # the default: no casts at all
         model = copy.deepcopy(reference)
         for block in model.blocks:
-            fully_shard(block, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         models[name] = model
 
     seen = {}

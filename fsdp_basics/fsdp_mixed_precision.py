@@ -85,6 +85,10 @@ def main(args, ctx):
     wrong = {k: seen[k] for k, v in expected.items() if not str(seen[k]).startswith(str(v))}
     if wrong:
         raise RuntimeError(f"unexpected dtypes: {wrong}")
+    # Both trainings run on ctx.device. bf16 keeps 8 significant bits (2^-9 = 0.2% rounding per value), and
+    # the two trajectories drift apart slowly: measured on CPU 0.0028 after the default 30 steps, 0.012 after
+    # 200 steps at 4 ranks. GPU bf16 matmuls accumulate in fp32 like CPU ones, so expect the same order;
+    # --tol 0.04 leaves 3x over the 200-step drift, and a bf16 run that does not learn is ~0.5 off.
     if diff.max() > args.tol or not losses["bf16"][-1] < losses["bf16"][0]:
         raise RuntimeError(f"bf16 training is {diff.max():.4f} off fp32 or did not learn")
     print0(f"OK: bf16 compute with fp32 master shards and fp32 reduce_scatter on {ctx.world_size} ranks "
@@ -98,5 +102,5 @@ if __name__ == "__main__":
     parser.add_argument("--batch", type=int, default=48, help="global batch, divisible by the world size")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--tol", type=float, default=0.02, help="largest |loss bf16 - loss fp32| allowed")
+    parser.add_argument("--tol", type=float, default=0.04, help="largest |loss bf16 - loss fp32| allowed")
     run(main, parser.parse_args())

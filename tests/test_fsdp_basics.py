@@ -96,6 +96,7 @@ def test_checkpoint_reshard_and_crash(tmp_path):
     assert abs(checksum(finished) - checksum(whole)) < 1e-3, (finished, whole)
 
 
-def test_batch_must_divide():
-    assert_fails(run_lesson("fsdp_basics/fsdp_minimal.py", "--batch", "49", nproc=2, launcher="python",
+@pytest.mark.parametrize("name", ["fsdp_minimal.py", "fsdp_offload.py"])
+def test_batch_must_divide(name):
+    assert_fails(run_lesson(f"fsdp_basics/{name}", "--batch", "49", nproc=2, launcher="python",
                             timeout=TIMEOUT), "must divide by 2 ranks", within=2)

@@ -50,7 +50,9 @@ def check_matches_ddp(model, ddp, worst_loss, args):
     compute the same numbers, and only the order of summation in the gradient reduction differs
     (reduce_scatter vs all_reduce): float32 rounding, ~1e-7 relative, which training amplifies (measured on
     CPU at 4 ranks: 1e-7 after the default 10 steps, 8e-6 after 50 steps at --width 256 --depth 4). Hence
-    --tol 1e-4. TF32 matmuls (off by default for float32, torch.backends.cuda.matmul) apply to both alike."""
+    --tol 1e-4. float32 matmuls run in full float32 on GPUs too: TF32 is off by default since torch 1.12
+    (docs notes/cuda.html, "TensorFloat-32 (TF32) on Ampere (and later) devices"); a user who turns it on
+    rounds matmul inputs to 10 bits, and ulp-level differences between the two runs may then grow past 1e-4."""
     # full_tensor() all_gathers a DTensor: every rank calls it.
     worst = max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ddp.module.parameters()))
     print0(f"max |loss FSDP - loss DDP| over {args.steps} steps {worst_loss:.2e}, "

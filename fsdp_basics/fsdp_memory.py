@@ -21,6 +21,7 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -57,10 +58,11 @@ def measure(model, x, y, lr):
 
 
 def main(args, ctx):
-    x, y = make_data(args.batch * ctx.world_size)
+    x, y = (t.to(ctx.device) for t in make_data(args.batch * ctx.world_size))
     mine = slice(ctx.rank * args.batch, (ctx.rank + 1) * args.batch)
     torch.manual_seed(0)
-    reference = BlockMLP(args.width, args.depth)
+    reference = BlockMLP(args.width, args.depth).to(ctx.device)
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))  # FSDP's mesh: on this run's device
     n_params = sum(p.numel() for p in reference.parameters())
 
     # gradient_as_bucket_view: the grads are views into DDP's all_reduce buckets, not a second copy.
@@ -70,9 +72,9 @@ def main(args, ctx):
                          ("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))):
         model = copy.deepcopy(reference)
         for block in model.blocks:
-            fully_shard(block, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
-        held = torch.tensor(measure(model, x[mine], y[mine], args.lr))
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        held = torch.tensor(measure(model, x[mine], y[mine], args.lr), device=ctx.device)
         if name == "fp32":
             print_in_order(f"FSDP: params {held[0]:,} B, grads {held[1]:,} B, Adam state {held[2]:,} B "
                            f"= {held[3] / ddp[3]:.3f} of DDP's {ddp[3]:,} B")

@@ -32,18 +32,18 @@ class GatheredLinear(torch.autograd.Function):
     """y = x W^T + b, where W and b exist in full only while this layer computes."""
 
     @staticmethod
-    def forward(ctx, x, shard, layer):
-        ctx.save_for_backward(x, shard)  # the input and my shard: never the gathered weight
-        ctx.layer = layer
+    def forward(saved, x, shard, layer):  # saved: autograd's context (not the distributed ctx of main)
+        saved.save_for_backward(x, shard)  # the input and my shard: never the gathered weight
+        saved.layer = layer
         weight, bias, full = layer.gather(shard)
         out = F.linear(x, weight, bias)
         full.untyped_storage().resize_(0)  # free the full layer now, as FSDP does after forward
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):
-        x, shard = ctx.saved_tensors
-        layer = ctx.layer
+    def backward(saved, grad_out):
+        x, shard = saved.saved_tensors
+        layer = saved.layer
         weight, _, full = layer.gather(shard)  # all_gather again: the forward's copy is gone
         grad_x = grad_out @ weight
         full_grad = torch.cat([(grad_out.T @ x).flatten(), grad_out.sum(0), grad_out.new_zeros(layer.pad)])
@@ -93,22 +93,23 @@ def memory(model, opt):
 
 
 def main(args, ctx):
-    x, y = make_data(args.batch * args.steps)
+    x, y = (t.to(ctx.device) for t in make_data(args.batch * args.steps))
     torch.manual_seed(0)
-    reference = BlockMLP(args.width, args.depth)  # trained in one process on the whole batch
+    reference = BlockMLP(args.width, args.depth).to(ctx.device)  # trained in one process on the whole batch
     stats = {"gathered": [], "peak": 0}
     model = copy.deepcopy(reference)
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             if isinstance(child, nn.Linear):
-                setattr(parent, name, ShardedLinear(child, ctx.rank, ctx.world_size, stats))
+                # .to() is a no-op here (the shard is cut from child, already on ctx.device): it says where it lives
+                setattr(parent, name, ShardedLinear(child, ctx.rank, ctx.world_size, stats).to(ctx.device))
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)  # sees the shards only
     ref_opt = torch.optim.Adam(reference.parameters(), lr=args.lr)
 
     worst_loss = 0.0
     for step in range(args.steps):
         xb, yb = x[step * args.batch:(step + 1) * args.batch], y[step * args.batch:(step + 1) * args.batch]
-        mine = torch.arange(args.batch).tensor_split(ctx.world_size)[ctx.rank]  # shares may differ by one
+        mine = torch.arange(args.batch, device=ctx.device).tensor_split(ctx.world_size)[ctx.rank]  # may differ by one
         stats["gathered"].clear()
         # Sum over my examples / global batch: with reduce_scatter(SUM) this is the mean over all.
         loss = F.cross_entropy(model(xb[mine]), yb[mine], reduction="sum") / args.batch
@@ -145,6 +146,9 @@ def main(args, ctx):
            f"{max(4 * (m.weight.numel() + m.bias.numel()) for m in plain)} B")
     print0(f"max |loss - single-process loss| over {args.steps} steps: {worst_loss:.2e}; "
            f"max |param - single-process param|: {worst:.2e} (tolerance {args.tol:g})")
+    # The reference runs on the same device: only the order of float32 sums differs (my share's gradient,
+    # then reduce_scatter, against one full batch), ~1e-7 relative, which training amplifies (measured on
+    # CPU at 4 ranks: ~1e-7 at the defaults, 1.1e-5 at --width 256 --depth 4). Hence --tol 1e-4.
     if worst > args.tol or worst_loss > args.tol:
         raise RuntimeError(f"ZeRO-3 by hand differs from single-process training by {max(worst, worst_loss):.2e}")
     print0(f"OK: ZeRO-3 by hand on {ctx.world_size} ranks (each holding {total / ref_total:.3f} of the state) "
@@ -158,5 +162,5 @@ if __name__ == "__main__":
     parser.add_argument("--batch", type=int, default=50, help="global batch (any size: shares may be uneven)")
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--tol", type=float, default=1e-5)
+    parser.add_argument("--tol", type=float, default=1e-4, help="largest |ZeRO-3 - one process| (loss, params)")
     run(main, parser.parse_args())

@@ -35,7 +35,7 @@ def worker(rank, world_size, port, fail_rank):
     # The others wait here for a rank that never comes, up to the timeout: the parent must stop them.
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=30))
     try:
-        total = torch.tensor([rank + 1])
+        total = torch.tensor([rank + 1], device="cpu")  # this template is Gloo on CPU throughout
         dist.all_reduce(total)
         expected = world_size * (world_size + 1) // 2
         if total.item() != expected:

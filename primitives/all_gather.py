@@ -21,7 +21,7 @@ from launch.dist_setup import lesson_parser, print0, print_in_order, run
 def main(args, ctx):
     rank, world, n = ctx.rank, ctx.world_size, args.size
     all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # pre-2.13 name
-    expected = torch.stack([100 * r + torch.arange(n) for r in range(world)])  # the full data, by hand
+    expected = torch.stack([100 * r + torch.arange(n, device="cpu") for r in range(world)])  # the full data, by hand
 
     t = 100 * rank + torch.arange(n, device=ctx.device)
     print_in_order(f"before: {t.tolist()}")

@@ -24,7 +24,7 @@ from launch.dist_setup import lesson_parser, print0, print_in_order, run
 
 def piece(s, d, length):
     """What rank s sends to rank d: readable from its digits."""
-    return 100 * s + 10 * d + torch.arange(length)
+    return 100 * s + 10 * d + torch.arange(length, device="cpu")  # moved to the device by the caller
 
 
 def main(args, ctx):

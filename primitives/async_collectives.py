@@ -23,7 +23,7 @@ from launch.dist_setup import lesson_parser, print0, print_in_order, run
 def main(args, ctx):
     rank, world, dev = ctx.rank, ctx.world_size, ctx.device
     sync = (lambda: torch.accelerator.synchronize()) if dev.type != "cpu" else (lambda: None)
-    full_sum = sum(100 * r for r in range(world)) + world * torch.arange(args.size, dtype=torch.float32)
+    full_sum = sum(100 * r for r in range(world)) + world * torch.arange(args.size, dtype=torch.float32, device="cpu")
 
     # 1. async_op=True, wait(), and a callback chained on the future.
     t = 100 * rank + torch.arange(args.size, dtype=torch.float32, device=dev)
@@ -36,7 +36,7 @@ def main(args, ctx):
     print_in_order(f"async all_reduce sum[:3] = {t[:3].tolist()}, callback's mean[:3] = {mean[:3].tolist()}")
 
     # 2. Overlap. The same communication and the same computation, one after the other, then together.
-    x = torch.randn(args.compute, args.compute, device=dev)
+    x = torch.randn(args.compute, args.compute, generator=torch.Generator().manual_seed(rank)).to(dev)
 
     def compute():
         y = x
@@ -67,7 +67,7 @@ def main(args, ctx):
             t, y = fn()
             sync()
             best = min(best, time.perf_counter() - start)
-        if not torch.equal(t.cpu(), torch.full((args.size,), float(world))):
+        if not torch.equal(t.cpu(), torch.full((args.size,), float(world), device="cpu")):
             raise RuntimeError(f"{name}: all_reduce of ones gave {t[:4].tolist()}, expected {world}")
         if not torch.allclose(y, compute()):
             raise RuntimeError(f"{name}: the computation changed its result")

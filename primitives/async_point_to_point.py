@@ -8,6 +8,17 @@ On GPUs (NCCL) wait() makes the current stream wait for the transfer; it does no
 Measured with Gloo (torch 2.13): a send/recv Work reports is_completed() False until wait()
 is called, even when the data has long arrived. So poll it as a hint, and always wait().
 
+The order of the posts matters on NCCL. Even ranks post the isend first, odd ranks the irecv
+first, so that no cycle of sends can wait on each other (the same parity rule as deadlock.py's
+Fix 1). Why: launch/dist_setup.py passes device_id to init_process_group, so NCCL runs every
+send/recv of the group on one communicator, one after the other (pytorch PR #154132), and an
+NCCL send may not finish before its recv is posted; NCCL's guide asks that sends and recvs
+that must progress together be grouped ("Point-to-point communication",
+https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/usage/p2p.html). If every rank
+posted isend-to-the-right first, each would wait on its neighbour's isend: a ring of waits.
+The other safe form is dist.batch_isend_irecv (one NCCL group), deadlock.py's Fix 3. Gloo
+progresses each isend/irecv on its own and takes any order.
+
     torchrun --nproc_per_node=3 primitives/async_point_to_point.py
     python primitives/async_point_to_point.py --nproc 2 --size 1000000 --compute 1024
 
@@ -20,6 +31,7 @@ from launch.dist_setup import lesson_parser, print0, print_in_order, run
 
 def main(args, ctx):
     ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: run with --nproc_per_node=2 or more")
+    ctx.require_point_to_point()
     rank, world, n = ctx.rank, ctx.world_size, args.size
     right, left = (rank + 1) % world, (rank - 1) % world
 
@@ -27,13 +39,17 @@ def main(args, ctx):
     recv_buf = torch.full((n,), -1.0, device=ctx.device)  # -1 marks "not received yet"
     sent_values = send_buf.clone()  # a copy we may read any time
 
-    # Post both transfers; neither call waits for the peer.
-    send_work = dist.isend(send_buf, dst=right)
-    recv_work = dist.irecv(recv_buf, src=left)
+    # Post both transfers; neither call waits for the peer. Parity order: safe on NCCL too (see above).
+    if rank % 2 == 0:
+        send_work = dist.isend(send_buf, dst=right)
+        recv_work = dist.irecv(recv_buf, src=left)
+    else:
+        recv_work = dist.irecv(recv_buf, src=left)
+        send_work = dist.isend(send_buf, dst=right)
     done_at_post = recv_work.is_completed()
 
     # Useful work that needs neither buffer overlaps with the transfer.
-    a = torch.randn(args.compute, args.compute, device=ctx.device)
+    a = torch.randn(args.compute, args.compute, generator=torch.Generator().manual_seed(rank)).to(ctx.device)
     polls = 0
     for _ in range(args.steps):
         a = torch.tanh(a @ a / args.compute)
@@ -46,7 +62,7 @@ def main(args, ctx):
     send_work.wait()  # from here send_buf may be reused
     send_buf.fill_(-2.0)  # safe now: the peer already has its copy
 
-    expected = 100 * left + torch.arange(n, dtype=torch.float32)
+    expected = 100 * left + torch.arange(n, dtype=torch.float32, device="cpu")
     if not torch.equal(recv_buf.cpu(), expected):
         raise RuntimeError(f"received {recv_buf.tolist()[:8]}, expected {expected.tolist()[:8]}")
     if not (recv_work.is_completed() and send_work.is_completed()):

@@ -3,9 +3,19 @@
 For every backend/device pair this machine has (Gloo on CPU; Gloo with CUDA tensors and
 NCCL where every local rank has a GPU), every rank makes each call on a group with a short
 timeout and checks the result against the value worked out by hand. A call that raises,
-times out or returns a wrong value is "no" (with the reason below the table); the group is
-then replaced, so one failure cannot spoil the next call. Pairs this machine lacks say
-"not available here": nothing is assumed about them. Rank 0 prints a Markdown table.
+hangs or returns a wrong value is "no" (with the reason below the table). Pairs this machine
+lacks say "not available here": nothing is assumed about them. Rank 0 prints a Markdown table.
+
+Why the calls run in a child process per rank, not in the lesson's own: a timed-out NCCL call
+cannot be caught. Its watchdog aborts the whole process (TORCH_NCCL_ASYNC_ERROR_HANDLING
+defaults to 3, "tear down"; docs: https://pytorch.org/docs/stable/torch_nccl_environment_variables.html),
+and torchrun would then stop every rank, table and all. So each column is probed by child
+processes that form their own group; after every call they agree on its outcome and pass it
+up. A call that raises does so at once, on the ranks that made it, and counts as "no". A call
+that hangs or crashes takes only the children with it: the parents mark that call "no", start
+new children and go on with the next call. Every probe is a program that is correct under
+each backend's rules (pairs for unbatched send/recv: see deadlock.py), so a "no" means the
+backend refused the call, not that the probe deadlocked.
 
     torchrun --nproc_per_node=2 primitives/backend_matrix.py
     python primitives/backend_matrix.py --nproc 4 --op-timeout 10
@@ -13,7 +23,10 @@ then replaced, so one failure cannot spoil the next call. Pairs this machine lac
 Docs: https://pytorch.org/docs/stable/distributed.html#backends
 """
 import datetime
+import multiprocessing
+import os
 import platform
+import signal
 
 import torch
 import torch.distributed as dist
@@ -106,12 +119,11 @@ def calls(rank, n, dev):
         elif rank % 2 == 1:
             t = torch.empty(2, device=dev); dist.recv(t, src=rank - 1, group=g); expect(t, float(rank))
 
-    def isend_irecv(g):  # a ring: each rank sends right, receives from the left
-        t = torch.empty(2, device=dev)
-        works = [dist.isend(mine(), dst=(rank + 1) % n, group=g), dist.irecv(t, src=(rank - 1) % n, group=g)]
-        for w in works:
-            w.wait()
-        expect(t, (rank - 1) % n + 1.0)
+    def isend_irecv(g):  # pairs, as send_recv (an unbatched ring may deadlock on NCCL: deadlock.py)
+        if rank % 2 == 0 and rank + 1 < n:
+            dist.isend(mine(), dst=rank + 1, group=g).wait()
+        elif rank % 2 == 1:
+            t = torch.empty(2, device=dev); dist.irecv(t, src=rank - 1, group=g).wait(); expect(t, float(rank))
 
     def batch_isend_irecv(g):
         t = torch.empty(2, device=dev)
@@ -200,17 +212,115 @@ def calls(rank, n, dev):
     ]
 
 
+def error_text(e):
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+
+
+def probe_column(conn, backend, device_type, start, rank, n, local_rank, gpus, store_at, timeouts):
+    """A child process: a group of its own, the calls from `start` on. After each call the ranks agree
+    on every rank's outcome over a Gloo group and send it to the parent: (index, [error or None per rank])."""
+    op_timeout, coord_timeout = (datetime.timedelta(seconds=t) for t in timeouts)
+    torch.set_num_threads(1)
+    try:
+        dev = torch.device(device_type, local_rank % gpus) if device_type == "cuda" else torch.device("cpu")
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)  # as launch/dist_setup.py does: device_id below, as in the lessons
+        (host, port), prefix = store_at
+        store = dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False, timeout=coord_timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=n, timeout=op_timeout,
+                                device_id=dev if dev.type != "cpu" else None)
+        coord = dist.new_group(backend="gloo", timeout=coord_timeout)
+        group = dist.new_group(backend=backend, timeout=op_timeout)
+    except Exception as e:
+        conn.send(("init", error_text(e)))
+        os._exit(0)
+    for i, (name, fn) in enumerate(calls(rank, n, dev)):
+        if i < start:
+            continue
+        try:
+            fn(group)
+            error = None
+        except Exception as e:  # an unsupported call, a Gloo time-out or a wrong value: record it
+            error = error_text(e)
+        errors = [None] * n
+        try:
+            dist.all_gather_object(errors, error, group=coord)  # pickles: fine between our own ranks
+        except Exception:
+            os._exit(3)  # a peer's process is gone: leave too, the parents know where we were
+        conn.send((i, errors))
+        if any(errors):  # the group may be stuck mid-call: start a clean one
+            dist.destroy_process_group(group)
+            group = dist.new_group(backend=backend, timeout=op_timeout)
+    dist.destroy_process_group()
+    conn.send(("done", None))
+    os._exit(0)
+
+
+def how_it_ended(code):
+    if code is not None and code < 0:
+        return f"signal {signal.Signals(-code).name}"
+    return "a time-out of the lesson (killed)" if code is None else f"exit code {code}"
+
+
+def probe(backend, device_type, names, ctx, gpus, store_at, args, coord):
+    """Fill one column: {call index: None if it works, else the reason}."""
+    outcome, start, attempt = {}, 0, 0
+    spawn = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA or threads
+    deadline = args.op_timeout + 2 * args.timeout  # a call, the agreement after it, or the start-up
+    while start < len(names):
+        receiver, sender = spawn.Pipe(duplex=False)
+        child = spawn.Process(target=probe_column, args=(
+            sender, backend, device_type, start, ctx.rank, ctx.world_size, ctx.local_rank, gpus,
+            (store_at, f"matrix/{backend}/{device_type}/{attempt}"), (args.op_timeout, args.timeout)))
+        child.start()
+        sender.close()
+        seen, init_error = {}, None
+        while receiver.poll(deadline):
+            try:
+                index, errors = receiver.recv()
+            except EOFError:  # the child ended
+                break
+            if index == "init":
+                init_error = errors
+            elif index != "done":
+                seen[index] = errors
+        if child.is_alive():
+            child.kill()
+        child.join()
+        reports = [None] * ctx.world_size  # what every rank's child reported, and how it ended
+        dist.all_gather_object(reports, (seen, init_error, child.exitcode), group=coord)
+        for seen_r, _, _ in reports:
+            outcome.update({i: next((f"rank {r}: {e}" for r, e in enumerate(errs) if e), None)
+                            for i, errs in seen_r.items()})
+        failed_init = next((f"rank {r}: {e}" for r, (_, e, _) in enumerate(reports) if e), None)
+        if failed_init:
+            outcome.update({i: f"the group could not be made: {failed_init}" for i in range(start, len(names))})
+            break
+        start = next((i for i in range(start, len(names)) if i not in outcome), len(names))
+        if start < len(names):  # no rank's child finished this call: one of them hung or crashed in it
+            dead = [(r, code) for r, (_, _, code) in enumerate(reports) if code not in (0, 3)]
+            who = ", ".join(f"rank {r}'s ended with {how_it_ended(code)}" for r, code in dead) or "they ended"
+            outcome[start] = f"hung or crashed: the probing processes did not finish it ({who})"
+            start, attempt = start + 1, attempt + 1
+    return outcome
+
+
 def main(args, ctx):
     ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: run with --nproc_per_node=2 or more")
     ctx.require(args.op_timeout > 0, "--op-timeout must be positive")
     rank, n = ctx.rank, ctx.world_size
-    timeout = datetime.timedelta(seconds=args.op_timeout)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     has_gpu = gpus >= ctx.local_world_size  # one GPU per local rank, or the CUDA columns are off
     columns = [("Gloo", "gloo", "cpu", dist.is_gloo_available()),
                ("Gloo", "gloo", "cuda", dist.is_gloo_available() and has_gpu),
                ("NCCL", "nccl", "cuda", dist.is_nccl_available() and has_gpu)]
-    coord = dist.new_group(backend="gloo")  # CPU group to agree on outcomes, whatever the default is
+    # A CPU group to agree on outcomes, whatever the default is; it waits while children probe.
+    coord = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3 * args.timeout + args.op_timeout))
+    # A store for the children's groups, served by rank 0 on a free port of MASTER_ADDR (rank 0's host).
+    server = dist.TCPStore(os.environ["MASTER_ADDR"], 0, is_master=True, wait_for_workers=False) if rank == 0 else None
+    port = [server.port if server else None]
+    dist.broadcast_object_list(port, src=0, group=coord)
+    store_at = (os.environ["MASTER_ADDR"], port[0])
     names = [name for name, _ in calls(rank, n, torch.device("cpu"))]
     table = {name: [] for name in names}
     notes = []
@@ -219,25 +329,13 @@ def main(args, ctx):
             for name in names:
                 table[name].append("not available here")
             continue
-        dev = torch.device(device_type, ctx.local_rank % gpus) if device_type == "cuda" else torch.device("cpu")
-        group = dist.new_group(backend=backend, timeout=timeout)
-        for name, fn in calls(rank, n, dev):
-            try:
-                fn(group)
-                error = None
-            except Exception as e:  # an unsupported call, a time-out or a wrong value: record it
-                error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
-            errors = [None] * n
-            dist.all_gather_object(errors, error, group=coord)  # pickles: fine between our own ranks
-            failed = [(r, e) for r, e in enumerate(errors) if e]
-            if not failed:
+        outcome = probe(backend, device_type, names, ctx, gpus, store_at, args, coord)
+        for i, name in enumerate(names):
+            if outcome[i] is None:
                 table[name].append("yes")
-                continue
-            notes.append(f"{label}/{device_type.upper()} {name}, rank {failed[0][0]}: {failed[0][1]}")
-            table[name].append(f"no ({len(notes)})")
-            dist.destroy_process_group(group)  # it may be stuck mid-call: start a clean one
-            group = dist.new_group(backend=backend, timeout=timeout)
-        dist.destroy_process_group(group)
+            else:
+                notes.append(f"{label}/{device_type.upper()} {name}, {outcome[i]}")
+                table[name].append(f"no ({len(notes)})")
 
     header = [f"{label} / {dev.upper()}" for label, _, dev, _ in columns]
     print0(f"| call | {' | '.join(header)} |")

@@ -9,7 +9,10 @@ buffer a rank holds (all_gather's output, reduce_scatter's input), and:
             broadcast, reduce, send/recv 1
 busbw is what each rank's link actually carried, so it is comparable across world sizes and
 collectives, and with the hardware's peak. After the timed calls, one more call on fresh
-data is checked against the answer computed locally; a wrong value raises.
+data is checked, on the device and chunk by chunk, against a closed form of the answer (rank
+r holds i % 7 + r + 1 at index i); a wrong value raises. Memory per rank: the message's
+buffers (at most twice the message: all_to_all and sendrecv hold input and output) plus
+about 0.3 GB of check temporaries, so 8G fits an 80 GB GPU.
 
     torchrun --nproc_per_node=4 primitives/benchmark_collectives.py
     torchrun --nproc_per_node=8 primitives/benchmark_collectives.py --min-bytes 8 --max-bytes 8G \\
@@ -39,43 +42,71 @@ def parse_bytes(text):
     return int(float(text[:-1]) * units[text[-1]]) if text[-1:] in units else int(text)
 
 
+CHUNK = 1 << 22  # elements per step of fill and check: their temporaries stay near 0.3 GB
+
+
+def value(r, i):
+    """Rank r's input at index i (a tensor of indices): small integers, so sums are exact in float types."""
+    return i % 7 + r + 1
+
+
+def fill(buf, r):
+    """Write rank r's input into buf, chunk by chunk: no temporary the size of the message."""
+    flat = buf.view(-1)
+    for start in range(0, flat.numel(), CHUNK):
+        idx = torch.arange(start, min(start + CHUNK, flat.numel()), device=flat.device)
+        flat[start:start + idx.numel()] = value(r, idx)
+
+
+def first_wrong(result, expected, rtol):
+    """(index, got, want) of the first element of result that differs from expected(index), or None."""
+    flat = result.view(-1)
+    for start in range(0, flat.numel(), CHUNK):
+        idx = torch.arange(start, min(start + CHUNK, flat.numel()), device=flat.device)
+        got, want = flat[start:start + idx.numel()].double(), expected(idx).double()
+        bad = (~((got - want).abs() <= rtol * want.abs())).nonzero()  # written so that a NaN counts as wrong
+        if bad.numel():
+            i = bad[0].item()
+            return start + i, got[i].item(), want[i].item()
+    return None
+
+
 def make_call(op, count, dtype, device, rank, n):
-    """Return (buffers, call, expected) for one message of `count` elements (count % n == 0)."""
-    def filled(r, numel):  # rank r's input: small integers, so every sum is exact
-        return ((torch.arange(numel, device=device) % 7) + r + 1).to(dtype)
-    def total(numel):  # sum over ranks of filled(r, numel)
-        return sum(filled(r, numel).double() for r in range(n))
+    """Return (result, inputs, call, expected) for one message of `count` elements (count % n == 0):
+    inputs are (buffer, rank whose data it holds) pairs to fill; expected(i) is the value result[i]
+    must hold, in closed form (None where the result is undefined). Buffers: at most 2x the message."""
+    empty = lambda numel: torch.empty(numel, dtype=dtype, device=device)
     right, left, part = (rank + 1) % n, (rank - 1) % n, count // n
+    total = lambda i: n * (i % 7) + n * (n + 1) // 2  # sum over ranks r of value(r, i)
     # torch 2.13 renamed the *_into_tensor / *_tensor calls; keep older versions working.
     all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     if op == "all_reduce":
-        buf = filled(rank, count)
-        return buf, lambda: dist.all_reduce(buf), lambda: total(count)
-    if op == "all_gather":  # size = output; each rank contributes count/n
-        out, inp = torch.empty(count, dtype=dtype, device=device), filled(rank, part)
-        return out, lambda: all_gather_single(out, inp), \
-            lambda: torch.cat([filled(r, part).double() for r in range(n)])
-    if op == "reduce_scatter":  # size = input; each rank keeps count/n
-        out, inp = torch.empty(part, dtype=dtype, device=device), filled(rank, count)
-        return out, lambda: reduce_scatter_single(out, inp), lambda: total(count)[rank * part:(rank + 1) * part]
+        buf = empty(count)
+        return buf, [(buf, rank)], lambda: dist.all_reduce(buf), total
+    if op == "all_gather":  # size = output; each rank contributes count/n, rank r's lands at r*part
+        out, inp = empty(count), empty(part)
+        return out, [(inp, rank)], lambda: all_gather_single(out, inp), lambda i: value(i // part, i % part)
+    if op == "reduce_scatter":  # size = input; rank r keeps elements r*part... of the sum
+        out, inp = empty(part), empty(count)
+        return out, [(inp, rank)], lambda: reduce_scatter_single(out, inp), lambda i: total(rank * part + i)
     if op == "broadcast":
-        buf = filled(rank, count)
-        return buf, lambda: dist.broadcast(buf, src=0), lambda: filled(0, count).double()
+        buf = empty(count)
+        return buf, [(buf, rank)], lambda: dist.broadcast(buf, src=0), lambda i: value(0, i)
     if op == "reduce":  # only the root's result is defined
-        buf = filled(rank, count)
-        return buf, lambda: dist.reduce(buf, dst=0), lambda: total(count) if rank == 0 else None
-    if op == "all_to_all":  # block j of my input goes to rank j
-        out, inp = torch.empty(count, dtype=dtype, device=device), filled(rank, count)
-        return out, lambda: dist.all_to_all_single(out, inp), \
-            lambda: torch.cat([filled(r, count)[rank * part:(rank + 1) * part].double() for r in range(n)])
-    if op == "sendrecv":  # every rank sends right and receives from the left, at once
-        out, inp = torch.empty(count, dtype=dtype, device=device), filled(rank, count)
+        buf = empty(count)
+        return buf, [(buf, rank)], lambda: dist.reduce(buf, dst=0), total if rank == 0 else None
+    if op == "all_to_all":  # block j of my input goes to rank j; block s of my output came from rank s
+        out, inp = empty(count), empty(count)
+        return out, [(inp, rank)], lambda: dist.all_to_all_single(out, inp), \
+            lambda i: value(i // part, rank * part + i % part)
+    if op == "sendrecv":  # every rank sends right and receives from the left, in one batch (NCCL-safe)
+        out, inp = empty(count), empty(count)
         def call():
             for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, inp, right),
                                                 dist.P2POp(dist.irecv, out, left)]):
                 work.wait()
-        return out, call, lambda: filled(left, count).double()
+        return out, [(inp, rank)], call, lambda i: value(left, i)
     raise ValueError(op)
 
 
@@ -91,8 +122,16 @@ def main(args, ctx):
     ctx.require(args.factor >= 2 and args.iters >= 1 and args.warmup >= 0,
                 "need --factor >= 2, --iters >= 1, --warmup >= 0")
     rank, n, dtype = ctx.rank, ctx.world_size, getattr(torch, args.dtype)
-    esize = torch.tensor([], dtype=dtype).element_size()
-    tolerance = {torch.float32: 1e-6, torch.float64: 1e-12}.get(dtype, 1e-2)
+    if "sendrecv" in ops:
+        ctx.require_point_to_point()
+    esize = dtype.itemsize
+    # Every value a result holds is an integer no larger than all_reduce's 6n + n(n+1)/2. A float type
+    # holds every integer up to 2^(mantissa bits + 1) exactly, so up to there each partial sum of a
+    # reduction is exact, whatever its order, and the check is bit for bit (float32: any sane n;
+    # bfloat16: n <= 17; float16: n <= 58). Beyond, each of a reduction's n-1 additions may round by
+    # half an ulp: n * eps bounds the relative error.
+    largest, info = 6 * n + n * (n + 1) // 2, torch.finfo(dtype)
+    rtol = 0.0 if largest <= 2 / info.eps else n * info.eps  # 2 / eps = 2^(mantissa bits + 1)
 
     def sync():
         if ctx.device.type != "cpu":
@@ -111,7 +150,9 @@ def main(args, ctx):
     for op in ops:
         for size in sizes:
             count = max(n, size // esize // n * n)  # whole elements, divisible by n (as nccl-tests)
-            result, call, expected = make_call(op, count, dtype, ctx.device, rank, n)
+            result, inputs, call, expected = make_call(op, count, dtype, ctx.device, rank, n)
+            for buf, r in inputs:
+                fill(buf, r)
             for _ in range(args.warmup):
                 call()
             dist.barrier()
@@ -124,22 +165,25 @@ def main(args, ctx):
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
             seconds = seconds.item()
 
-            # The check: rebuild the inputs (the timed calls changed them), call once more, compare.
-            result, call, expected = make_call(op, count, dtype, ctx.device, rank, n)
+            # The check: refill the inputs (the timed calls changed some), call once more, compare with
+            # the closed form on the device, chunk by chunk: no second copy of the message anywhere.
+            if all(result is not buf for buf, _ in inputs):
+                result.fill_(-1)  # so that a call that writes nothing cannot pass on the last call's output
+            for buf, r in inputs:
+                fill(buf, r)
             call()
-            want = expected()
             if args.corrupt_for_testing and rank == n - 1 and op == ops[-1] and size == sizes[-1]:
                 result.view(-1)[:1].neg_()  # testing only: a wrong value the check must catch
-            wrong = want is not None and not torch.allclose(result.double().cpu(), want.cpu(), rtol=tolerance, atol=0)
+            wrong = first_wrong(result, expected, rtol) if expected is not None else None
             if wrong:
-                bad = (result.double().cpu() - want.cpu()).abs().argmax().item()
-                print(f"[rank {rank}] {op} of {count * esize} bytes returned a wrong value at index {bad}: "
-                      f"{result.view(-1)[bad].item()} instead of {want[bad].item()}", flush=True)
-            wrong_ranks = torch.tensor([int(wrong)], device=ctx.device)
+                print(f"[rank {rank}] {op} of {count * esize} bytes returned a wrong value at index {wrong[0]}: "
+                      f"{wrong[1]:g} instead of {wrong[2]:g}", flush=True)
+            wrong_ranks = torch.tensor([int(wrong is not None)], device=ctx.device)
             dist.all_reduce(wrong_ranks)  # every rank learns of it, so none goes on to print OK
             if wrong_ranks.item():
                 raise RuntimeError(f"rank {rank}: wrong result of {op} at {count * esize} bytes on "
                                    f"{int(wrong_ranks.item())} rank(s)")
+            del result, inputs, call, expected  # free this size's buffers before the next (larger) one
 
             nbytes = count * esize
             algbw = nbytes / seconds / 1e9

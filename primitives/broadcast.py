@@ -24,7 +24,7 @@ def main(args, ctx):
     print_in_order(f"after broadcast from rank {src}: {t.tolist()}")
 
     # Independent check: the full data (every rank's starting tensor), and the row of src.
-    full = torch.stack([100 * r + torch.arange(n) for r in range(ctx.world_size)])
+    full = torch.stack([100 * r + torch.arange(n, device="cpu") for r in range(ctx.world_size)])
     if not torch.equal(t.cpu(), full[src]):
         raise RuntimeError(f"rank {rank} holds {t.tolist()}, expected rank {src}'s {full[src].tolist()}")
     print0(f"OK: broadcast copied rank {src}'s tensor to all {ctx.world_size} ranks")

@@ -4,7 +4,16 @@ Every rank sends to its right neighbour, then receives from its left (with 2 ran
 both send first). A blocking Gloo send returns only once the peer has posted the
 matching recv, even for a single element, so every rank waits in send and none reaches
 its recv. We run that on a side group whose timeout is a few seconds, so it ends as an
-error instead of a hang. Then the fixes: order by rank parity, isend/irecv, batch_isend_irecv.
+error instead of a hang. Then the fixes: order by rank parity, isend/irecv posted in that
+order, batch_isend_irecv.
+
+On GPUs, Fix 3 is the one to copy. NCCL's guide asks that sends and recvs that must progress
+together be grouped, or they may deadlock ("Point-to-point communication",
+https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/usage/p2p.html); batch_isend_irecv
+is that group. And with device_id passed to init_process_group (launch/dist_setup.py does),
+NCCL runs a group's unbatched sends and recvs one after another on one communicator (pytorch
+PR #154132), so isend does not free you from ordering: posted send-first on every rank, the
+isends wait on each other as the blocking sends did. Hence Fix 2 keeps Fix 1's parity order.
 
     torchrun --nproc_per_node=2 primitives/deadlock.py
     python primitives/deadlock.py --nproc 3 --demo-timeout 5
@@ -22,16 +31,17 @@ from launch.dist_setup import lesson_parser, print0, print_in_order, run
 def main(args, ctx):
     ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: run with --nproc_per_node=2 or more")
     ctx.require(args.demo_timeout > 0, "--demo-timeout must be positive")
+    ctx.require_point_to_point()
     rank, world = ctx.rank, ctx.world_size
     right, left = (rank + 1) % world, (rank - 1) % world
 
     # 1. The deadlock. A side group (always Gloo, CPU tensors) with a short timeout, so that
     #    the demonstration cannot hang. Every collective below uses the default group.
     side = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.demo_timeout))
-    out = torch.empty(args.demo_size)
+    out = torch.empty(args.demo_size, device="cpu")
     start = time.perf_counter()
     try:
-        dist.send(torch.full((args.demo_size,), float(rank)), dst=right, group=side)
+        dist.send(torch.full((args.demo_size,), float(rank), device="cpu"), dst=right, group=side)
         dist.recv(out, src=left, group=side)
         outcome, timed_out = "send and recv completed (the message was buffered: no deadlock)", 0
     except RuntimeError as error:
@@ -54,7 +64,7 @@ def main(args, ctx):
 
     n = args.size
     mine = 100 * rank + torch.arange(n, dtype=torch.float32, device=ctx.device)
-    expected = 100 * left + torch.arange(n, dtype=torch.float32)  # what the left neighbour holds
+    expected = 100 * left + torch.arange(n, dtype=torch.float32, device="cpu")  # what the left neighbour holds
 
     def check(name, got):
         if not torch.equal(got.cpu(), expected):
@@ -71,14 +81,19 @@ def main(args, ctx):
         dist.send(mine, dst=right)
     fix1 = check("parity order", got)
 
-    # Fix 2: post both without blocking, then wait for both.
+    # Fix 2: post both without blocking (the rank may compute meanwhile), then wait for both.
+    #        Posted in the parity order of Fix 1: on NCCL the posts run in order (see the docstring).
     got = torch.empty(n, device=ctx.device)
-    works = [dist.isend(mine, dst=right), dist.irecv(got, src=left)]
+    if rank % 2 == 0:
+        works = [dist.isend(mine, dst=right), dist.irecv(got, src=left)]
+    else:
+        works = [dist.irecv(got, src=left), dist.isend(mine, dst=right)]
     for work in works:
         work.wait()
     fix2 = check("isend/irecv", got)
 
-    # Fix 3: hand the whole exchange to the backend at once (NCCL fuses it into one group call).
+    # Fix 3: hand the whole exchange to the backend at once: NCCL runs it as one group
+    #        (ncclGroupStart/End), in which no call waits on another. No order to get right.
     got = torch.empty(n, device=ctx.device)
     ops = [dist.P2POp(dist.isend, mine, right), dist.P2POp(dist.irecv, got, left)]
     for work in dist.batch_isend_irecv(ops):
@@ -88,7 +103,7 @@ def main(args, ctx):
     print_in_order(f"holds {mine.tolist()}, received from rank {left}: parity {fix1}, isend/irecv {fix2}, "
                    f"batch {fix3}")
     print0(f"OK: send-first deadlocked {stuck} of {world} ranks (ended by a {args.demo_timeout:g}s timeout); "
-           "parity order, isend/irecv and batch_isend_irecv each delivered the left neighbour's data")
+           "parity order, isend/irecv in parity order and batch_isend_irecv each delivered the left neighbour's data")
 
 
 if __name__ == "__main__":

@@ -83,12 +83,12 @@ def part_b(ctx, timeout, missing):
 
     caught = 0
     try:  # (b1) one rank reduces 5 elements, the others 4
-        dist.all_reduce(torch.ones(5 if ctx.rank == missing else 4), group=shapes_group)
+        dist.all_reduce(torch.ones(5 if ctx.rank == missing else 4, device="cpu"), group=shapes_group)
         shapes = "no error (unexpected)"
     except RuntimeError as error:
         shapes, caught = first_line(error), caught + 1
     try:  # (b2) one rank broadcasts first, the others all-reduce first
-        t = torch.ones(4)
+        t = torch.ones(4, device="cpu")
         if ctx.rank == missing:
             dist.broadcast(t, src=0, group=order_group)
             dist.all_reduce(t, group=order_group)
@@ -120,7 +120,7 @@ def part_c(ctx, timeout, missing):
     timed_out, outcome, start = 0, "skipped the all_reduce (the bug under study)", time.perf_counter()
     if ctx.rank != missing:
         try:
-            dist.all_reduce(torch.ones(4), group=side)
+            dist.all_reduce(torch.ones(4, device="cpu"), group=side)
             outcome = "completed (unexpected)"
         except RuntimeError as error:
             timed_out, outcome = 1, f"after {time.perf_counter() - start:.1f}s: {first_line(error)}"
@@ -158,7 +158,7 @@ def part_d(ctx, timeout, missing):
         poker.start()
         try:
             waits_at = f"line {sys._getframe().f_lineno + 1} in part_d"  # what the dump should show
-            dist.broadcast(torch.ones(4), src=missing, group=side)  # the source never sends: stuck
+            dist.broadcast(torch.ones(4, device="cpu"), src=missing, group=side)  # the source never sends: stuck
         except RuntimeError:
             pass  # part (c) showed this error; here we want the stack taken while it waited
         done.set()

@@ -24,7 +24,7 @@ def main(args, ctx):
                                              f"use at least {ctx.world_size}")
     # The full vector, made identically on every rank (same seed) for the check; each rank keeps a slice.
     gen = torch.Generator().manual_seed(0)
-    full = args.offset + args.scale * torch.randn(args.size, generator=gen, dtype=torch.float64)
+    full = args.offset + args.scale * torch.randn(args.size, generator=gen, dtype=torch.float64, device="cpu")
     x = torch.tensor_split(full, ctx.world_size)[ctx.rank].to(ctx.device)
 
     m = x.max().clone()

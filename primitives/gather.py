@@ -26,7 +26,7 @@ def main(args, ctx):
                    + (str([g.tolist() for g in gather_list]) if rank == dst else "nothing (not dst)"))
 
     if rank == dst:  # independent check: every rank's starting tensor, rebuilt here
-        expected = torch.stack([100 * r + torch.arange(n) for r in range(world)])
+        expected = torch.stack([100 * r + torch.arange(n, device="cpu") for r in range(world)])
         got = torch.stack(gather_list).cpu()
         if not torch.equal(got, expected):
             raise RuntimeError(f"gathered {got.tolist()}, expected {expected.tolist()}")

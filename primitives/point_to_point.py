@@ -22,6 +22,7 @@ def stage(x, rank):
 
 def main(args, ctx):
     ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: run with --nproc_per_node=2 or more")
+    ctx.require_point_to_point()
     rank, world, n = ctx.rank, ctx.world_size, args.size
 
     # 1. The chain. Rank 0 makes the input; every later rank receives, transforms, sends on.
@@ -40,7 +41,7 @@ def main(args, ctx):
 
     # Independent check on the last rank: run every stage on one process, in plain torch.
     if rank == world - 1:
-        expected = torch.arange(n, dtype=torch.float32)
+        expected = torch.arange(n, dtype=torch.float32, device="cpu")
         for r in range(world):
             expected = stage(expected, r)
         if not torch.equal(y.cpu(), expected):
@@ -48,15 +49,16 @@ def main(args, ctx):
 
     # 2. Tags label messages between the same two ranks. Gloo matches a recv to the send
     #    with the same tag, so rank 1 may receive tag 2 before tag 1. NCCL ignores tags:
-    #    there, messages between two ranks arrive in the order they were sent.
+    #    there, messages between two ranks arrive in the order they were sent. (Gloo here means
+    #    CPU tensors: require_point_to_point refused Gloo with CUDA tensors above.)
     if ctx.backend == "gloo":
         if rank == 0:
-            works = [dist.isend(torch.full((n,), 1.0), dst=1, tag=1),   # isend: do not block
-                     dist.isend(torch.full((n,), 2.0), dst=1, tag=2)]   # on the first send
+            works = [dist.isend(torch.full((n,), 1.0, device=ctx.device), dst=1, tag=1),  # isend: do not
+                     dist.isend(torch.full((n,), 2.0, device=ctx.device), dst=1, tag=2)]  # block on the first
             for w in works:
                 w.wait()
         elif rank == 1:
-            second, first = torch.empty(n), torch.empty(n)
+            second, first = torch.empty(n, device=ctx.device), torch.empty(n, device=ctx.device)
             dist.recv(second, src=0, tag=2)  # asked for tag 2 first: gets the second message
             dist.recv(first, src=0, tag=1)
             if first[0].item() != 1.0 or second[0].item() != 2.0:
@@ -71,7 +73,7 @@ def main(args, ctx):
         if rank == 0:
             senders = []
             for _ in range(world - 1):
-                buf = torch.empty(1)
+                buf = torch.empty(1, device=ctx.device)
                 sender = dist.recv(buf)  # any source
                 if buf.item() != 100 * sender:
                     raise RuntimeError(f"message {buf.item()} does not come from rank {sender}")
@@ -80,7 +82,7 @@ def main(args, ctx):
                 raise RuntimeError(f"expected one message from each other rank, got senders {senders}")
             print(f"[rank 0] recv with no src got messages from ranks in this order: {senders}", flush=True)
         else:
-            dist.send(torch.tensor([100.0 * rank]), dst=0)
+            dist.send(torch.tensor([100.0 * rank], device=ctx.device), dst=0)
     else:
         print0(f"recv from any source: skipped on {ctx.backend} (Gloo only)")
 

@@ -33,7 +33,7 @@ def main(args, ctx):
     # Sum within my half only.
     t = 100 * rank + torch.arange(n, dtype=torch.float32, device=ctx.device)
     dist.all_reduce(t, group=group)
-    expected = sum(100 * r + torch.arange(n, dtype=torch.float32) for r in members)
+    expected = sum(100 * r + torch.arange(n, dtype=torch.float32, device="cpu") for r in members)
     if not torch.equal(t.cpu(), expected):
         raise RuntimeError(f"sum over {members} gave {t.tolist()}, expected {expected.tolist()}")
     where = [(dist.get_group_rank(group, g), dist.get_global_rank(group, dist.get_group_rank(group, g)))
@@ -48,8 +48,8 @@ def main(args, ctx):
     dist.all_reduce(by_max, op=dist.ReduceOp.MAX)
     by_sum = torch.where(slots.isinf(), torch.zeros_like(slots), slots)  # 0 instead of -inf for SUM
     dist.all_reduce(by_sum, op=dist.ReduceOp.SUM)
-    truth = torch.stack([sum(100 * r + torch.arange(n, dtype=torch.float32) for r in m) for m in halves])
-    sizes = torch.tensor([[len(m)] for m in halves], dtype=torch.float32)
+    truth = torch.stack([sum(100 * r + torch.arange(n, dtype=torch.float32, device="cpu") for r in m) for m in halves])
+    sizes = torch.tensor([[len(m)] for m in halves], dtype=torch.float32, device="cpu")
     if not torch.equal(by_max.cpu(), truth) or not torch.equal(by_sum.cpu(), truth * sizes):
         raise RuntimeError(f"MAX gave {by_max.tolist()}, SUM gave {by_sum.tolist()}, truth {truth.tolist()}")
     print0(f"both halves' sums via MAX: {by_max.tolist()} (right); via SUM: {by_sum.tolist()} "

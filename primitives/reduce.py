@@ -18,7 +18,7 @@ from launch.dist_setup import lesson_parser, print0, print_in_order, run
 def main(args, ctx):
     ctx.require(0 <= args.dst < ctx.world_size, f"--dst {args.dst} is not a rank of a {ctx.world_size}-rank world")
     rank, world, n, dst = ctx.rank, ctx.world_size, args.size, args.dst
-    full = torch.stack([100 * r + torch.arange(n) for r in range(world)])  # every rank's data, for checks
+    full = torch.stack([100 * r + torch.arange(n, device="cpu") for r in range(world)])  # every rank's data, for checks
 
     for name, expected in [("SUM", full.sum(dim=0)), ("MAX", full.max(dim=0).values)]:
         t = 100 * rank + torch.arange(n, device=ctx.device)

@@ -23,7 +23,7 @@ from launch.dist_setup import lesson_parser, print0, print_in_order, run
 def main(args, ctx):
     rank, world, n = ctx.rank, ctx.world_size, args.size
     reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    i = torch.arange(n)
+    i = torch.arange(n, device="cpu")  # the full data is built on the host, for the check
     # The full data: full[s, j] is piece j on rank s. Rank r must end with full[:, r].sum(0).
     full = torch.stack([torch.stack([100 * s + 10 * j + i for j in range(world)]) for s in range(world)])
     expected = full[:, rank].sum(dim=0)

@@ -54,7 +54,10 @@ def ring_all_reduce(tensor, rank, world):
 
 
 def tree_all_reduce(tensor, rank, world):
-    """Binomial-tree reduce to rank 0, then broadcast down the same tree; in place."""
+    """Binomial-tree reduce to rank 0, then broadcast down the same tree; in place.
+
+    Blocking send/recv is safe here, on NCCL too: in each round a rank only sends or only
+    receives, and its partner does the opposite, so no two sends can wait on each other."""
     steps = sent = 0
     incoming = torch.empty_like(tensor)
     mask = 1
@@ -82,6 +85,7 @@ def main(args, ctx):
     ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: run with --nproc_per_node=2 or more")
     ctx.require(sizes_ok(args.sizes), "--sizes must be positive integers separated by commas, e.g. 1,1001")
     ctx.require(args.iters >= 1, "--iters must be at least 1")
+    ctx.require_point_to_point()
     rank, world = ctx.rank, ctx.world_size
     sizes = [int(s) for s in args.sizes.split(",")]
     # With NCCL the first batch_isend_irecv of a group must involve every rank, and a ring step on a
@@ -113,7 +117,7 @@ def main(args, ctx):
         # Each rank's data is a function of (rank, seed): every rank can rebuild everyone's.
         def data_of(r):
             gen = torch.Generator().manual_seed(1000 * n + r)
-            return torch.randint(-1000, 1000, (n,), generator=gen).float()
+            return torch.randint(-1000, 1000, (n,), generator=gen, device="cpu").float()
         expected = sum(data_of(r) for r in range(world))  # the independent answer, on one rank
         mine = data_of(rank).to(ctx.device)
 

@@ -21,6 +21,7 @@ from launch.dist_setup import lesson_parser, print0, print_in_order, run
 def main(args, ctx):
     ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: run with --nproc_per_node=2 or more")
     ctx.require(args.size >= 1, "--size must be at least 1")
+    ctx.require_point_to_point()
     rank, world, n = ctx.rank, ctx.world_size, args.size
     right, left = (rank + 1) % world, (rank - 1) % world
 

@@ -28,7 +28,7 @@ def main(args, ctx):
     print_in_order(f"after scatter from rank {src}: out {out.tolist()}")
 
     # Independent check: the full data, split by hand; rank r must hold row r.
-    full = (100 * torch.arange(world)[:, None] + torch.arange(n)[None, :])
+    full = 100 * torch.arange(world, device="cpu")[:, None] + torch.arange(n, device="cpu")[None, :]
     if not torch.equal(out.cpu(), full[rank]):
         raise RuntimeError(f"rank {rank} got {out.tolist()}, expected {full[rank].tolist()}")
     print0(f"OK: scatter from rank {src} gave each of {world} ranks its own row of the full data")

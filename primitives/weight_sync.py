@@ -25,10 +25,12 @@ from launch.dist_setup import lesson_parser, print0, run
 
 def make_model(args, seed, device):
     torch.manual_seed(seed)
-    layers = []
-    for _ in range(args.layers):  # many tensors of mixed sizes, like a transformer's
-        layers += [torch.nn.LayerNorm(args.width), torch.nn.Linear(args.width, args.width)]
-    return torch.nn.Sequential(*layers).to(device=device, dtype=getattr(torch, args.dtype))
+    with torch.device("cpu"):  # initialised by the CPU generator: the same weights whatever the device
+        layers = []
+        for _ in range(args.layers):  # many tensors of mixed sizes, like a transformer's
+            layers += [torch.nn.LayerNorm(args.width), torch.nn.Linear(args.width, args.width)]
+        model = torch.nn.Sequential(*layers)
+    return model.to(device=device, dtype=getattr(torch, args.dtype))
 
 
 @torch.no_grad()

@@ -21,9 +21,11 @@ TIMEOUT = 300
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 MAX_WORLD = 8  # the sizes the lessons promise: 1, 2, 4 and 8 GPUs (and what lies between)
 
-# lesson -> min_ranks: smallest NCCL world; gloo_cuda: runs on Gloo with CUDA tensors (False: it
-# must refuse with one line); args: extra arguments for a short run; launcher: how a reader starts it.
+# lesson -> min_ranks: smallest NCCL world; divides: the world size must divide this (a batch or a
+# head count; the defaults are chosen so that 1, 2, 4 and 8 do); gloo_cuda: runs on Gloo with CUDA
+# tensors (False: it must refuse with one line; None: it has no --device flag); args: a short run.
 ANY, P2P = dict(min_ranks=1, gloo_cuda=True), dict(min_ranks=2, gloo_cuda=False)
+BATCH48 = dict(min_ranks=1, gloo_cuda=True, divides=48)
 LESSONS = {
     "primitives/hello_distributed.py": dict(min_ranks=1, gloo_cuda=None),  # no --device flag: NCCL or CPU
     "primitives/init_methods.py": ANY,
@@ -51,7 +53,7 @@ LESSONS = {
     "primitives/backend_matrix.py": dict(min_ranks=2, gloo_cuda=True),
     "primitives/benchmark_collectives.py": dict(min_ranks=2, gloo_cuda=False, args=["--max-bytes", "64M"]),
     "primitives/debug_hangs.py": dict(min_ranks=2, gloo_cuda=True),
-    "primitives/gil_threads_vs_processes.py": dict(min_ranks=2, gloo_cuda=True),
+    "primitives/gil_threads_vs_processes.py": dict(min_ranks=2, gloo_cuda=True, args=["--work", "200000"]),
     "launch/print_env.py": ANY,
     "launch/legacy_launch.py": ANY,
     "launch/elastic.py": ANY,
@@ -67,16 +69,17 @@ LESSONS = {
     "ddp_basics/dataparallel_vs_ddp.py": ANY,
     "ddp_basics/benchmark_ddp.py": ANY,
     "fsdp_basics/zero_by_hand.py": ANY,
-    "fsdp_basics/fsdp_minimal.py": ANY,
-    "fsdp_basics/fsdp_mixed_precision.py": ANY,
+    "fsdp_basics/fsdp_minimal.py": BATCH48,
+    "fsdp_basics/fsdp_mixed_precision.py": BATCH48,
     "fsdp_basics/fsdp_memory.py": ANY,
-    "fsdp_basics/fsdp_checkpoint.py": ANY,
-    "fsdp_basics/fsdp_offload.py": ANY,
+    "fsdp_basics/fsdp_checkpoint.py": BATCH48,
+    "fsdp_basics/fsdp_offload.py": BATCH48,
     "transformer_basics/train.py": dict(min_ranks=1, gloo_cuda=True, args=["--steps", "60"]),
     "transformer_basics/train_2d.py": dict(min_ranks=1, gloo_cuda=True, args=["--steps", "30"]),
-    "transformer_basics/tensor_parallel.py": ANY,
-    "transformer_basics/pipeline_parallel.py": P2P,
-    "transformer_basics/benchmark.py": ANY,
+    "transformer_basics/tensor_parallel.py": dict(min_ranks=1, gloo_cuda=True, divides=24),
+    "transformer_basics/pipeline_parallel.py": dict(min_ranks=1, gloo_cuda=False),
+    "transformer_basics/benchmark.py": dict(min_ranks=1, gloo_cuda=True, divides=24,
+                                           args=["--steps", "6", "--warmup", "2"]),
 }
 # Not here, with the reason: launch/spawn_template.py is a CPU/Gloo template that starts its own
 # processes (no device choice); the shell scripts (multinode_local.sh, netns_two_hosts.sh,
@@ -104,7 +107,8 @@ def pytest_generate_tests(metafunc):
             pytest.param((lesson, n), id=f"{n}-{lesson}") if spec["min_ranks"] <= GPUS else
             pytest.param(None, id=f"{spec['min_ranks']}-{lesson}", marks=pytest.mark.skip(
                 reason=f"needs {spec['min_ranks']} GPUs, this machine has {GPUS}"))
-            for lesson, spec in LESSONS.items() for n in range(spec["min_ranks"], max(spec["min_ranks"], min(GPUS, MAX_WORLD)) + 1)]
+            for lesson, spec in LESSONS.items() for n in range(spec["min_ranks"], max(spec["min_ranks"], min(GPUS, MAX_WORLD)) + 1)
+            if spec.get("divides", n) % n == 0]
         metafunc.parametrize("nccl_case", cases)
     if "gloo_case" in metafunc.fixturenames:
         cases = [pytest.param(None, marks=pytest.mark.skip(reason=reason), id="off")] if reason else [

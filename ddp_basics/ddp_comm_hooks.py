@@ -27,7 +27,7 @@ from toy import MLP, accuracy, make_data
 
 def train(args, ctx, start, x, y, register):
     """Train a DDP copy of start with the hook `register` installs; return (accuracy, bytes/step)."""
-    model = DDP(copy.deepcopy(start).to(ctx.device))
+    model = DDP(copy.deepcopy(start))
     register(model)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     sent = []
@@ -48,13 +48,14 @@ def train(args, ctx, start, x, y, register):
             opt.zero_grad()
     finally:
         dist.all_reduce = plain_all_reduce
-    return accuracy(model.module.cpu(), *make_data(2000, seed=1)), sent[-1]  # last step: past warm-up
+    xt, yt = make_data(2000, seed=1)
+    return accuracy(model.module, xt.to(ctx.device), yt.to(ctx.device)), sent[-1]  # last step: past warm-up
 
 
 def main(args, ctx):
     x, y = make_data(args.steps * ctx.world_size * args.batch, seed=0)
     torch.manual_seed(0)
-    start = MLP(args.width)
+    start = MLP(args.width).to(ctx.device)
     n_params = sum(p.numel() for p in start.parameters())
 
     def power_sgd(model):

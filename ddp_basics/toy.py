@@ -12,22 +12,40 @@ from torch import nn
 
 def make_data(n, seed=0, classes=4, noise=0.15):
     """n points (x: float32 [n, 2], y: int64 [n]) on `classes` spirals."""
-    g = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, classes, (n,), generator=g)
-    t = torch.rand(n, generator=g) * 2.5 + 0.25  # radius and angle grow together
+    g = torch.Generator().manual_seed(seed)  # on the CPU: the same data on every device; callers .to(device)
+    y = torch.randint(0, classes, (n,), generator=g, device="cpu")
+    t = torch.rand(n, generator=g, device="cpu") * 2.5 + 0.25  # radius and angle grow together
     angle = t * 2.0 + y.float() * (2 * math.pi / classes)
     x = torch.stack([t * torch.cos(angle), t * torch.sin(angle)], dim=1)
-    return x + noise * torch.randn(n, 2, generator=g), y
+    return x + noise * torch.randn(n, 2, generator=g, device="cpu"), y
 
 
 class MLP(nn.Module):
-    def __init__(self, width=64, classes=4):
+    """2 -> width, `depth` hidden width x width layers, -> classes; tanh between them."""
+
+    def __init__(self, width=64, classes=4, depth=1):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(2, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
-                                 nn.Linear(width, classes))
+        layers = [nn.Linear(2, width)]
+        for _ in range(depth):
+            layers += [nn.Tanh(), nn.Linear(width, width)]
+        self.net = nn.Sequential(*layers, nn.Tanh(), nn.Linear(width, classes))
 
     def forward(self, x):
         return self.net(x)
+
+
+def fp32_tolerance(tol):
+    """`tol` for two float32 trainings compared on one device, widened if float32 matmuls are not IEEE.
+
+    Both runs round alike only up to summation order (a few ulp per step), which `tol` covers at
+    torch's default precision "highest" (IEEE float32 matmuls on CPU and GPU). With TF32 switched on
+    ("high": torch.backends.cuda.matmul.fp32_precision = "tf32" or set_float32_matmul_precision)
+    a matmul rounds its inputs to 10 mantissa bits, 2**13 times coarser than float32's 23 ("medium",
+    bfloat16: 7 bits, 2**16), and a difference that starts as rounding grows in proportion to it
+    (to first order): the bound scales the same way. Source: torch.get_float32_matmul_precision and
+    https://pytorch.org/docs/stable/notes/cuda.html#tensorfloat-32-tf32-on-ampere-and-later-devices
+    """
+    return tol * {"highest": 1, "high": 2**13, "medium": 2**16}[torch.get_float32_matmul_precision()]
 
 
 def accuracy(model, x, y):

@@ -100,6 +100,18 @@ def test_check_fails_without_gradient_averaging():
     assert len(diff) == 2 and all(float(d) > 1e-3 for d in diff), result
 
 
+def test_minimal_checks_fail_without_gradient_averaging():
+    """ddp_minimal's checks can fail: without the all_reduce the params differ from one process and
+    across ranks, and so does each rank's own score of the held-out set (the metric spread was once
+    computed from all_reduced values, which made it 0 whatever the ranks held)."""
+    result = run_lesson("ddp_basics/ddp_minimal.py", "--no-average", "--epochs", "1", nproc=2, launcher="python",
+                        timeout=TIMEOUT)
+    assert_fails(result, "DDP training differs from single-process training")
+    spreads = re.search(r"spread across ranks: params (\S+), metric (\S+);", result.stdout)
+    assert spreads and float(spreads.group(1)) > 0 and float(spreads.group(2)) > 0, result
+    assert "all_reduced metric" in result.output and "differs from the whole set's" in result.output, result
+
+
 def test_resume_without_rng_states_is_not_exact(tmp_path):
     result = run_lesson(CHECKPOINT, "--out", tmp_path, "--forget", "rng", nproc=1, launcher="python",
                         timeout=TIMEOUT)

@@ -228,7 +228,7 @@ def _rank_main(request, env):
     os.environ.update(env)
     os.chdir(request["cwd"])
     sys.argv = [script, *request["args"]]
-    sys.orig_argv = [sys.executable, script, *request["args"]]
+    sys.orig_argv = [sys.executable, "-u", script, *request["args"]]  # torchrun starts `python -u`
     sys.path[0] = os.path.dirname(os.path.realpath(script))
     if "numpy" in sys.modules:  # a fresh process seeds numpy's global generator from the OS; do so too
         sys.modules["numpy"].random.seed()
@@ -243,7 +243,8 @@ def _rank_main(request, env):
         tb = error.__traceback__  # start the traceback at the script, as `python script` does
         while tb is not None and tb.tb_frame.f_code.co_filename != script:
             tb = tb.tb_next
-        sys.excepthook(type(error), error, tb or error.__traceback__)
+        error.__traceback__ = tb or error.__traceback__  # what the default excepthook prints
+        sys.excepthook(type(error), error, error.__traceback__)
     try:
         threading._shutdown()  # what the interpreter does at exit: join non-daemon threads, run atexit
         import atexit as atexit_

@@ -82,7 +82,10 @@ def torchrun_command(lesson, nproc, args=()):
 
 def run_lesson(lesson, *args, nproc=2, launcher="torchrun", timeout=120, env=None):
     """launcher: "torchrun", "python" (the lesson spawns --nproc ranks itself) or "warm" (torchrun's
-    behaviour and environment, ranks forked from a process with torch imported)."""
+    behaviour and environment, ranks forked from a process with torch imported; with the variable
+    WARM_LAUNCHER=0 such runs use real torchrun instead, to compare)."""
+    if launcher == "warm" and os.environ.get("WARM_LAUNCHER") == "0":
+        launcher = "torchrun"
     if launcher == "warm":
         import warm_launcher  # tests/ is on sys.path (conftest.py)
         return Result(*warm_launcher.run(ROOT / lesson, args, nproc=nproc, env=lesson_env(env), cwd=ROOT,

@@ -58,10 +58,15 @@ import threading
 import time
 
 GRACE_S = 5  # SIGTERM -> SIGKILL, as torchrun does when one worker fails (it waits up to 30 s)
-PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "numpy"]
+# What the lessons import that costs time (fsdp and pipelining pull in torch._dynamo: ~1 s each on an idle
+# core). None of these starts a thread at import (serve() checks that before every fork).
+PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "numpy", "torch.nn.parallel",
+           "torch.distributed.device_mesh", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
+           "torch.distributed.fsdp", "torch.distributed.checkpoint", "torch.distributed.pipelining"]
 # Read once when a process (or torch/numpy/OpenMP/OpenBLAS) starts, so a forked rank cannot change them
 # by setting os.environ: runs whose values differ get a server of their own.
-STARTUP_VARS = ("PYTHON", "LD_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "MALLOC_", "TORCH_", "CUDA_")
+STARTUP_VARS = ("PYTHON", "LD_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "MALLOC_", "TORCH_", "TORCHINDUCTOR_",
+                "TORCHDYNAMO_", "CUDA_")
 MAX_SERVERS = 3
 
 
@@ -176,7 +181,10 @@ def _supervise(request, out_fd, err_fd, run_socket):
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)  # our copies of the pipes: the client reads to end of file
     os.dup2(devnull, 2)
-    _send(run_socket, codes=[codes[r] for r in range(len(codes))], failed=failed)
+    import resource
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # the ranks' CPU time, for measurements
+    _send(run_socket, codes=[codes[r] for r in range(len(codes))], failed=failed,
+          cpu_s=round(usage.ru_utime + usage.ru_stime, 3))
     run_socket.recv(1)  # wait until the client has killed our group (or gone): keeps the group id ours
     os._exit(0)
 
@@ -341,7 +349,8 @@ class Server:
                     if "error" in messages:
                         raise RuntimeError(messages["error"])
                     if group is None:
-                        raise ServerGone("the server ended before it started the run")
+                        raise ServerGone("the warm launcher ended before it started the run: "
+                                         + _text(chunks[err_r])[-2000:])
                     break  # the supervisor died without a verdict: its ranks get killed below
             if group is not None:  # every process of the run, whatever happened
                 try:
@@ -367,6 +376,8 @@ class Server:
             os.close(out_r)
             os.close(err_r)
         codes = messages.get("codes")
+        global last_cpu_s
+        last_cpu_s = messages.get("cpu_s")
         if timed_out:
             returncode = -signal.SIGKILL
         elif codes is None:
@@ -382,6 +393,7 @@ def _text(chunks):
     return b"".join(chunks).decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")
 
 
+last_cpu_s = None  # CPU seconds (user + system) of the last run's ranks, for measurements
 _servers = {}  # start-up variables -> Server
 _lock = threading.Lock()
 

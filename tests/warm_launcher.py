@@ -45,6 +45,22 @@ thread, so the SERVER MUST NEVER start one: it computes nothing with torch, crea
 torch thread settings (each rank sets its own, as launch/dist_setup.py does) and checks
 /proc/self/task before every fork (it refuses the run otherwise). The supervisor starts threads (the
 TCPStore server) only after it has forked all its ranks.
+
+What differs from real torchrun (keep real torchrun for tests that depend on it, and for each lesson's
+reader-facing run):
+- No agent: no --max-restarts / --standalone / rendezvous back-ends, no elastic restarts, no torchrun
+  output (its "ChildFailedError" report with one Traceback: warm prints one summary line instead),
+  GRACE_S is 5 s where torchrun waits 30 s; one node only.
+- Each torchrun worker is its own session and process group (SIGTERM goes to the group); here all the
+  ranks of a run share the supervisor's group, and their parent is the supervisor.
+- All ranks of all runs of a server share one str hash seed (PYTHONHASHSEED): a bug that needs ranks
+  to iterate a set in different orders shows under torchrun, not here.
+- Variables read at process start (STARTUP_VARS: PYTHON*, OMP_*, TORCH_*, ...) work, but each distinct
+  set costs a server start; OMP_NUM_THREADS=1 is in the server even for one rank (dist_setup sets the
+  rank's torch threads anyway); stdin is /dev/null; `ps` shows ranks as `warm_launcher.py --serve`.
+- The PRELOAD modules are already imported: a lesson's own start-up time is not what a reader sees.
+- On a GPU machine the server must not touch CUDA before forking (it does not: import only); not
+  tried on GPUs here.
 """
 import atexit
 import json

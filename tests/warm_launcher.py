@@ -256,6 +256,9 @@ def _rank_main(request, env):
     sys.path[0] = os.path.dirname(os.path.realpath(script))
     if "numpy" in sys.modules:  # a fresh process seeds numpy's global generator from the OS; do so too
         sys.modules["numpy"].random.seed()
+    if not os.path.isfile(script):  # what `python missing.py` prints
+        os.write(2, f"{sys.executable}: can't open file {script!r}: [Errno 2] No such file or directory\n".encode())
+        os._exit(2)
     code = 0
     try:
         import runpy

@@ -57,6 +57,8 @@ def lesson_env(extra=None):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     env.update(PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+    # The CPU suite stays on the CPU on a GPU node too (tests/test_gpu.py hands the GPUs back).
+    env.update(CUDA_VISIBLE_DEVICES="")
     env.update(extra or {})
     return env
 

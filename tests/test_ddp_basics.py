@@ -51,14 +51,18 @@ def check_checkpoint(out, nproc):
 CHECKS = {"manual_data_parallel.py": check_manual, "ddp_minimal.py": check_minimal,
           "ddp_checkpoint.py": check_checkpoint}
 # 2 and 3 ranks each (ddp_checkpoint at 2: the fixture below); 4 ranks on 2 cores is not cheap here
-TORCHRUN = [("manual_data_parallel.py", 2), ("manual_data_parallel.py", 3),
-            ("ddp_minimal.py", 2), ("ddp_minimal.py", 3), ("ddp_checkpoint.py", 3)]
+# (name, ranks, launcher): each lesson once under real torchrun (ddp_checkpoint's is the fixture below),
+# the other sizes through the harness's warm launcher (torchrun's environment, ranks forked)
+QUICK = [pytest.mark.quick]
+TORCHRUN = [pytest.param("manual_data_parallel.py", 2, "warm", marks=QUICK), ("manual_data_parallel.py", 3, "torchrun"),
+            ("ddp_minimal.py", 2, "torchrun"), pytest.param("ddp_minimal.py", 3, "warm", marks=QUICK),
+            pytest.param("ddp_checkpoint.py", 3, "warm", marks=QUICK)]
 
 
-@pytest.mark.parametrize("name,nproc", TORCHRUN)
-def test_torchrun(name, nproc, tmp_path):
+@pytest.mark.parametrize("name,nproc,launcher", TORCHRUN)
+def test_torchrun(name, nproc, launcher, tmp_path):
     args = {"ddp_checkpoint.py": ("--out", tmp_path), "ddp_minimal.py": ("--show-eval-hang", "--hang-timeout", "1") * (nproc == 2)}
-    result = run_lesson(f"ddp_basics/{name}", *args.get(name, ()), nproc=nproc, timeout=TIMEOUT)
+    result = run_lesson(f"ddp_basics/{name}", *args.get(name, ()), nproc=nproc, launcher=launcher, timeout=TIMEOUT)
     assert_ok(result)
     CHECKS[name](result.stdout, nproc)
     if name == "ddp_minimal.py" and nproc == 2:

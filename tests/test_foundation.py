@@ -93,14 +93,18 @@ def rank_lines(result, pattern):
     return [int(m.group(1)) for m in re.finditer(pattern, result.stdout, re.MULTILINE)]
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "python"])
-@pytest.mark.parametrize("nproc", [1, 2, 3, 4])
+# real torchrun at 3 ranks; the warm launcher (torchrun's environment, ranks forked) at the other sizes
+HELLO = [pytest.param(n, "torchrun" if n == 3 else "warm", marks=[pytest.mark.quick] * (n == 2)) for n in (1, 2, 3, 4)]
+HELLO += [(n, "python") for n in (1, 2, 3, 4)]
+
+
+@pytest.mark.parametrize("nproc,launcher", HELLO)
 def test_hello_distributed(nproc, launcher):
     result = run_lesson("primitives/hello_distributed.py", nproc=nproc, launcher=launcher)
     ok = assert_ok(result)
     assert f"= {nproc * (nproc - 1) // 2} = n(n-1)/2" in ok
     assert rank_lines(result, rf"^rank (\d+)/{nproc} ") == list(range(nproc)), result  # in rank order
-    assert f"torchrun={launcher == 'torchrun'}" in result.stdout
+    assert f"torchrun={launcher != 'python'}" in result.stdout
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "python"])
@@ -116,16 +120,18 @@ def test_hello_distributed_nccl_without_gpu_fails_fast_on_every_rank(launcher):
 
 # --- init_methods.py ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("method", ["env", "tcp", "file", "store"])
+@pytest.mark.parametrize("method", [pytest.param("env", marks=pytest.mark.quick), "tcp", "file", "store"])
 def test_init_methods(method):
-    result = run_lesson("primitives/init_methods.py", "--init-method", method, nproc=3)
+    launcher = "torchrun" if method == "env" else "warm"
+    result = run_lesson("primitives/init_methods.py", "--init-method", method, nproc=3, launcher=launcher)
     assert f"OK: init by {method} gave the same result: sum 3, squares [0, 1, 4]" == assert_ok(result)
 
 
 def test_init_by_file_twice_in_a_row_reuses_nothing(tmp_path):
     path = tmp_path / "store_file"
     for _ in range(2):  # the same file name twice: works only if the first run removed it
-        assert_ok(run_lesson("primitives/init_methods.py", "--init-method", "file", "--file", path, nproc=3))
+        assert_ok(run_lesson("primitives/init_methods.py", "--init-method", "file", "--file", path, nproc=3,
+                             launcher="warm"))
         assert not path.exists()
 
 

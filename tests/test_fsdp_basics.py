@@ -56,9 +56,12 @@ def check_output(name, nproc, out):
         assert out.count("shards and Adam state on cpu") == nproc, out
 
 
-@pytest.mark.parametrize("name,nproc", [(n, k) for n in LESSONS for k in (2, 4)])
+# Real torchrun at 2 ranks; at 4 the harness's warm launcher (torchrun's environment, ranks forked).
+@pytest.mark.parametrize("name,nproc", [pytest.param(n, k, marks=[pytest.mark.quick] * (k == 4))
+                                        for n in LESSONS for k in (2, 4)])
 def test_torchrun(name, nproc):
-    result = run_lesson(f"fsdp_basics/{name}", nproc=nproc, timeout=TIMEOUT)
+    result = run_lesson(f"fsdp_basics/{name}", nproc=nproc, launcher="torchrun" if nproc == 2 else "warm",
+                        timeout=TIMEOUT)
     assert_ok(result)
     check_output(name, nproc, result.stdout)
 
@@ -75,6 +78,7 @@ def checksum(result):
     return float(re.search(r"params checksum ([\d.]+)", result.stdout).group(1))
 
 
+@pytest.mark.quick
 def test_checkpoint_reshard_and_crash(tmp_path):
     lesson, ck = "fsdp_basics/fsdp_checkpoint.py", tmp_path / "ck"
     # 2 ranks save steps 2 and 4, then crash inside the save of step 6, before it is published.
@@ -82,13 +86,13 @@ def test_checkpoint_reshard_and_crash(tmp_path):
     assert_fails(crashed, "simulated crash during save")
     assert (ck / "latest").read_text() == "step_000004" and (ck / "step_000006.tmp").is_dir()
     # 4 ranks resume the previous checkpoint (resharded 2 -> 4) and stop after saving step 6.
-    resumed = run_lesson(lesson, "--dir", ck, "--resume", "--stop-at", "6", nproc=4, timeout=TIMEOUT)
+    resumed = run_lesson(lesson, "--dir", ck, "--resume", "--stop-at", "6", nproc=4, launcher="warm", timeout=TIMEOUT)
     assert_ok(resumed)
     assert "resumed from step_000004 (written by 2 ranks) at step 4 on 4 ranks" in resumed.stdout, resumed
     assert (ck / "latest").read_text() == "step_000006" and not (ck / "step_000006.tmp").exists()
     checksum(resumed)
     # 2 ranks finish it (resharded 4 -> 2); an uninterrupted run (3 ranks, python) must end the same.
-    finished = run_lesson(lesson, "--dir", ck, "--resume", nproc=2, timeout=TIMEOUT)
+    finished = run_lesson(lesson, "--dir", ck, "--resume", nproc=2, launcher="warm", timeout=TIMEOUT)
     assert_ok(finished)
     assert "resumed from step_000006 (written by 4 ranks) at step 6 on 2 ranks" in finished.stdout, finished
     whole = run_lesson(lesson, "--dir", tmp_path / "whole", nproc=3, launcher="python", timeout=TIMEOUT)

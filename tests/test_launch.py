@@ -26,6 +26,7 @@ def print_env_3():
     return run_lesson("launch/print_env.py", nproc=3, timeout=TIMEOUT)
 
 
+@pytest.mark.quick
 def test_print_env_torchrun_one_node_three_ranks(print_env_3):
     ok = assert_ok(print_env_3)
     assert ok.startswith("OK: 3 rank(s) on 1 node(s) via torchrun"), ok
@@ -79,6 +80,7 @@ def multinode(mode, lesson, *args, nproc_per_node=2):
     return result, port
 
 
+@pytest.mark.quick
 def test_two_loopback_nodes_static_rendezvous():
     result, port = multinode("static", "launch/print_env.py")
     assert f"2 nodes x 2 rank(s), static rendezvous on 127.0.0.1:{port}" in result.stdout, str(result)
@@ -128,6 +130,7 @@ def children_left(marker):
     return pids
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("method,nproc", [("spawn", 2), ("process", 2)])
 def test_spawn_template(method, nproc):
     result = run_command([sys.executable, "launch/spawn_template.py", "--method", method, "--nproc", nproc],
@@ -153,6 +156,7 @@ def test_spawn_template_failing_child_stops_the_rest(method, nproc):
     assert children_left(marker) == [], "children of the failed run are still running"
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("use_env", [False, True])
 def test_legacy_torch_distributed_launch(use_env):
     command = [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node=2", "--master_addr=127.0.0.1",
@@ -176,6 +180,7 @@ def serial_state(steps, batch=1000):
     return serial(steps, batch)
 
 
+@pytest.mark.quick
 def test_elastic_restart_after_a_rank_dies(tmp_path):
     command = elastic_command(free_port(), uuid.uuid4().hex[:8], "--fail-at-step", "5", "--ckpt-dir", tmp_path)
     result = run_command(command, timeout=TIMEOUT, env=SHARED_STORE_OFF)

@@ -11,11 +11,12 @@ T = 240  # seconds: generous, the CI machine is shared
 
 
 # ring_all_reduce.py: lengths that do not divide by N, and lengths smaller than N.
-@pytest.mark.parametrize("nproc", [2, 3, 4, 5])
+# Real torchrun at 3 ranks; the harness's warm launcher (torchrun's environment, forked ranks) at the rest.
+@pytest.mark.parametrize("nproc", [pytest.param(2, marks=pytest.mark.quick), 3, 4, 5])
 def test_ring_all_reduce(nproc):
     sizes = [1, 3, 7, 1001]  # 1 and 3 are smaller than some N; 7 and 1001 divide by none of 2..5
     result = run_lesson("primitives/ring_all_reduce.py", "--sizes", ",".join(map(str, sizes)), "--iters", "1",
-                        nproc=nproc, timeout=T)
+                        nproc=nproc, launcher="torchrun" if nproc == 3 else "warm", timeout=T)
     line = assert_ok(result)
     assert f"on {nproc} ranks" in line
     rows = [line.split() for line in result.stdout.splitlines() if re.match(r"\s*\d+\s+\d+\s", line)]
@@ -35,7 +36,8 @@ def test_ring_all_reduce_python_launcher_and_bad_sizes():
 
 
 # weight_sync.py: one trainer, N-1 workers, bit-for-bit after every step.
-@pytest.mark.parametrize("nproc,launcher", [(2, "python"), (3, "torchrun"), (4, "torchrun")])
+@pytest.mark.parametrize("nproc,launcher", [(2, "python"), (3, "torchrun"),
+                                            pytest.param(4, "warm", marks=pytest.mark.quick)])
 def test_weight_sync(nproc, launcher):
     result = run_lesson("primitives/weight_sync.py", "--steps", "2", nproc=nproc, launcher=launcher, timeout=T)
     line = assert_ok(result)
@@ -55,6 +57,7 @@ def test_weight_sync_needs_a_worker():
 
 
 # backend_matrix.py: only what runs here is filled in.
+@pytest.mark.quick
 def test_backend_matrix():
     result = run_lesson("primitives/backend_matrix.py", nproc=2, timeout=T)
     assert_ok(result)
@@ -80,11 +83,12 @@ FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n -
 
 # bfloat16 at 3 ranks: the closed-form check must hold bit for bit there too (the sums stay below 256).
 @pytest.mark.parametrize("nproc,extra", [(2, []), (4, ["--max-bytes", "16K", "--iters", "2"]),
-                                         (3, ["--max-bytes", "4K", "--iters", "1", "--dtype", "bfloat16"])])
+                                         pytest.param(3, ["--max-bytes", "4K", "--iters", "1", "--dtype", "bfloat16"],
+                                                      marks=pytest.mark.quick)])
 def test_benchmark_collectives(nproc, extra, tmp_path):
     out_json, out_csv = tmp_path / "b.json", tmp_path / "b.csv"
     result = run_lesson("primitives/benchmark_collectives.py", *extra, "--json", out_json, "--csv", out_csv,
-                        nproc=nproc, timeout=T)
+                        nproc=nproc, launcher="torchrun" if nproc == 2 else "warm", timeout=T)
     assert_ok(result)
     records = json.loads(out_json.read_text())
     assert {r["op"] for r in records} == set(FACTORS)
@@ -107,7 +111,7 @@ def test_benchmark_check_catches_a_wrong_value():
 
 
 # debug_hangs.py: every part ends, and the missing rank is named.
-@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("nproc", [pytest.param(2, marks=pytest.mark.quick), 3])  # real torchrun: signals, hangs
 def test_debug_hangs(nproc):
     result = run_lesson("primitives/debug_hangs.py", nproc=nproc, timeout=T)
     line = assert_ok(result)
@@ -129,6 +133,7 @@ def test_debug_hangs_other_missing_rank_and_bad_rank():
 
 
 # gil_threads_vs_processes.py: runs, checks its work, prints the three timings.
+@pytest.mark.quick
 def test_gil_threads_vs_processes():
     result = run_lesson("primitives/gil_threads_vs_processes.py", "--work", "200000", nproc=2, timeout=T)
     assert_ok(result)

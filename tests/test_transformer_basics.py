@@ -78,7 +78,8 @@ def test_train_loss_falls_and_resume_is_exact(parallel, nproc, whole_run, tmp_pa
     args = ["--parallel", parallel, *SMALL, *DROPOUT, "--out", tmp_path]
     assert_ok(run_lesson("transformer_basics/train.py", *args, "--stop-after", "5", nproc=nproc,
                          launcher="python", timeout=TIMEOUT))
-    resumed = run_lesson("transformer_basics/train.py", *args, "--resume", nproc=nproc, timeout=TIMEOUT)
+    resumed = run_lesson("transformer_basics/train.py", *args, "--resume", nproc=nproc, launcher="warm",
+                         timeout=TIMEOUT)
     assert_ok(resumed)
     assert "resumed at step 5" in resumed.stdout
     assert losses(resumed.stdout)[1][1] == val1  # the same final validation loss, to the printed digit
@@ -94,6 +95,7 @@ def test_ddp_and_fsdp_train_the_same_model(whole_run):
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.quick
 def test_generate_samples_from_the_exported_model(whole_run):
     result = run_command([sys.executable, ROOT / "transformer_basics/generate.py", "--checkpoint",
                           whole_run("fsdp")[1] / "model.pt", "--tokens", "40"], timeout=TIMEOUT)
@@ -117,6 +119,7 @@ def test_bad_data_gives_one_line_on_every_rank(content, message, tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.output
 
 
+@pytest.mark.quick
 def test_train_on_a_user_file_and_usage_errors(tmp_path):
     text = tmp_path / "poem.txt"
     text.write_text("roses are red, violets are blue; sugar is sweet, and so are you.\n" * 60)
@@ -132,9 +135,11 @@ def test_train_on_a_user_file_and_usage_errors(tmp_path):
 
 # ---- tensor, pipeline and 2-D parallelism: equal to the unsharded model ----
 
-@pytest.mark.parametrize("nproc,extra", [(2, []), (4, ["--sequence-parallel"])])
+# Real torchrun once per lesson; the other sizes through the harness's warm launcher (forked ranks).
+@pytest.mark.parametrize("nproc,extra", [(2, []), pytest.param(4, ["--sequence-parallel"], marks=pytest.mark.quick)])
 def test_tensor_parallel_equals_unsharded(nproc, extra):
-    ok = assert_ok(run_lesson("transformer_basics/tensor_parallel.py", *extra, nproc=nproc, timeout=TIMEOUT))
+    ok = assert_ok(run_lesson("transformer_basics/tensor_parallel.py", *extra, nproc=nproc,
+                              launcher="torchrun" if nproc == 2 else "warm", timeout=TIMEOUT))
     assert f"on {nproc} rank(s)" in ok
     logits, grads = map(float, re.search(r"max diff ([\d.e+-]+) logits, ([\d.e+-]+) gradients", ok).groups())
     assert logits < 2e-5 and grads < 2e-5
@@ -147,17 +152,19 @@ def test_tensor_parallel_refuses_heads_that_do_not_divide():
     assert result.output.count("must be a multiple of the 2 ranks") == 2 and result.returncode == 2
 
 
-@pytest.mark.parametrize("nproc,schedule,micro", [(1, "gpipe", 4), (2, "gpipe", 4), (4, "1f1b", 4)])
+@pytest.mark.parametrize("nproc,schedule,micro", [(1, "gpipe", 4), (2, "gpipe", 4),
+                                                   pytest.param(4, "1f1b", 4, marks=pytest.mark.quick)])
 def test_pipeline_parallel_equals_single_process(nproc, schedule, micro):
     # 1 stage: what `python pipeline_parallel.py` starts on a machine with one GPU
     result = run_lesson("transformer_basics/pipeline_parallel.py", "--schedule", schedule, "--microbatches",
-                        str(micro), nproc=nproc, timeout=TIMEOUT)
+                        str(micro), nproc=nproc, launcher="torchrun" if nproc == 2 else "warm", timeout=TIMEOUT)
     ok = assert_ok(result)
     assert f"{schedule} pipeline of {nproc} stages" in ok
     bubble = re.search(r"= (\d+)/(\d+) = ", result.stdout).groups()
     assert bubble == (str(nproc - 1), str(micro + nproc - 1))
 
 
+@pytest.mark.quick
 def test_train_2d_matches_unsharded_and_learns(tmp_path):
     # bf16 and dropout, as on a GPU by default: the step-0 check must run (in float32) all the same
     result = run_lesson("transformer_basics/train_2d.py", *SMALL, *DROPOUT, "--dtype", "bfloat16", "--n-layer", "2",
@@ -172,6 +179,7 @@ def test_train_2d_matches_unsharded_and_learns(tmp_path):
     assert (tmp_path / "model.pt").is_file() and (tmp_path / "checkpoint").is_dir()
 
 
+@pytest.mark.quick
 def test_benchmark_prints_a_table(tmp_path):
     result = run_lesson("transformer_basics/benchmark.py", "--steps", "3", "--warmup", "1", "--n-layer", "1",
                         "--n-embd", "48", "--block-size", "32", nproc=2, timeout=TIMEOUT)

@@ -103,7 +103,7 @@ def check_against_one_process(model, start, x, y, args, ctx):
 
 
 if __name__ == "__main__":
-    parser = lesson_parser(__doc__, default_nproc=max(2, torch.accelerator.device_count()))  # >= 2 ranks
+    parser = lesson_parser(__doc__, min_ranks=2)
     parser.add_argument("--batches", type=int, default=3, help="batches on rank 0; rank r has batches + r")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--width", type=int, default=32)

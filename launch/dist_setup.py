@@ -56,12 +56,15 @@ class Context:
                      "use --backend nccl (one GPU per rank) or --device cpu")
 
 
-def lesson_parser(doc, default_nproc=None):
+def lesson_parser(doc, default_nproc=None, min_ranks=1):
+    """min_ranks: `python lesson.py` with no --nproc starts at least this many ranks (one per GPU, else 2)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.set_defaults(min_ranks=min_ranks)
     env = os.environ.get
     group = parser.add_argument_group("distributed set-up (launch/dist_setup.py)")
     group.add_argument("--nproc", type=int, default=default_nproc,
-                       help="ranks to spawn when started with plain python (default: one per GPU, else 2)")
+                       help=f"ranks to spawn when started with plain python (default: one per GPU, else 2; "
+                            f"at least {max(min_ranks, 1)})")
     group.add_argument("--backend", default=env("DIST_BACKEND"),
                        help="gloo or nccl (env DIST_BACKEND; default: nccl if every local rank has a GPU, else gloo)")
     group.add_argument("--device", default=env("DIST_DEVICE"),
@@ -157,6 +160,14 @@ def free_port():
         return s.getsockname()[1]
 
 
+def default_nproc(args):
+    """`python lesson.py` without --nproc: one rank per GPU, else 2, and at least the lesson's min_ranks
+    (a lesson that needs a peer still runs on a 1-GPU machine: its 2 ranks fall back to CPU + Gloo)."""
+    wants_cpu = args.backend == "gloo" or args.device == "cpu"
+    gpus = torch.accelerator.device_count() if not wants_cpu else 0
+    return max(gpus or 2, getattr(args, "min_ranks", 1))
+
+
 def run(main, args, init_process_group=True):
     """Run main(args, ctx) on every rank: under torchrun as is, else spawn args.nproc ranks.
 
@@ -164,11 +175,7 @@ def run(main, args, init_process_group=True):
     """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun, Slurm + torchrun, a platform
         _exit(_run_rank(main, args, init_process_group))
-    nproc = args.nproc
-    if nproc is None:
-        wants_cpu = args.backend == "gloo" or args.device == "cpu"
-        nproc = torch.accelerator.device_count() if not wants_cpu else 0
-        nproc = nproc or 2
+    nproc = args.nproc if args.nproc is not None else default_nproc(args)
     if nproc < 1:
         sys.exit(f"error: --nproc must be at least 1, got {nproc}")
     port = int(os.environ.get("MASTER_PORT") or free_port())

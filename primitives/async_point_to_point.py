@@ -80,7 +80,7 @@ def main(args, ctx):
 
 
 if __name__ == "__main__":
-    parser = lesson_parser(__doc__)
+    parser = lesson_parser(__doc__, min_ranks=2)
     parser.add_argument("--size", type=int, default=4, help="elements per message")
     parser.add_argument("--compute", type=int, default=64, help="matrix size of the overlapped work")
     parser.add_argument("--steps", type=int, default=20, help="most compute steps before waiting")

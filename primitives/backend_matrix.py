@@ -355,6 +355,6 @@ def main(args, ctx):
 
 
 if __name__ == "__main__":
-    parser = lesson_parser(__doc__)
+    parser = lesson_parser(__doc__, min_ranks=2)
     parser.add_argument("--op-timeout", type=float, default=5.0, help="seconds a call may take before it counts as no")
     run(main, parser.parse_args())

@@ -208,7 +208,7 @@ def main(args, ctx):
 
 
 if __name__ == "__main__":
-    parser = lesson_parser(__doc__)
+    parser = lesson_parser(__doc__, min_ranks=2)
     parser.add_argument("--min-bytes", default="1K", help="smallest message (bytes; K, M, G allowed)")
     parser.add_argument("--max-bytes", default="1M", help="largest message (e.g. 8G on GPUs)")
     parser.add_argument("--factor", type=int, default=4, help="size multiplier between steps (nccl-tests -f)")

@@ -107,7 +107,7 @@ def main(args, ctx):
 
 
 if __name__ == "__main__":
-    parser = lesson_parser(__doc__)
+    parser = lesson_parser(__doc__, min_ranks=2)
     parser.add_argument("--size", type=int, default=4, help="elements per message in the fixes")
     parser.add_argument("--demo-size", type=int, default=1, help="elements per message in the deadlock")
     parser.add_argument("--demo-timeout", type=float, default=2.0, help="seconds before the deadlock errors")

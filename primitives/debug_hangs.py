@@ -204,7 +204,7 @@ def main(args, ctx):
 
 
 if __name__ == "__main__":
-    parser = lesson_parser(__doc__)
+    parser = lesson_parser(__doc__, min_ranks=2)
     parser.add_argument("--missing-rank", type=int, help="the rank that skips a call (default: the last)")
     parser.add_argument("--demo-timeout", type=float, default=2.0, help="seconds each demonstration waits")
     parser.add_argument("--parts", default="a,b,c,d", help="which parts to run, e.g. a,c")

@@ -95,6 +95,6 @@ def main(args, ctx):
           f"and {n} processes {serial / processes:.2f}x as fast as serial ({cores} cores)", flush=True)
 
 if __name__ == "__main__":
-    parser = lesson_parser(__doc__)
+    parser = lesson_parser(__doc__, min_ranks=2)
     parser.add_argument("--work", type=int, default=2_000_000, help="loop iterations per unit of work")
     run(main, parser.parse_args())

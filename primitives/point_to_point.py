@@ -92,6 +92,6 @@ def main(args, ctx):
 
 
 if __name__ == "__main__":
-    parser = lesson_parser(__doc__)
+    parser = lesson_parser(__doc__, min_ranks=2)
     parser.add_argument("--size", type=int, default=4, help="elements per message")
     run(main, parser.parse_args())

@@ -82,7 +82,7 @@ def main(args, ctx):
 
 
 if __name__ == "__main__":
-    parser = lesson_parser(__doc__)
+    parser = lesson_parser(__doc__, min_ranks=2)
     parser.add_argument("--size", type=int, default=2, help="elements per rank")
     parser.add_argument("--subgroup-size", type=int, default=2, help="ranks per group for new_subgroups")
     run(main, parser.parse_args())

@@ -157,7 +157,7 @@ def sizes_ok(text):
 
 
 if __name__ == "__main__":
-    parser = lesson_parser(__doc__)
+    parser = lesson_parser(__doc__, min_ranks=2)
     parser.add_argument("--sizes", default="1,3,1001,65537",
                         help="tensor lengths, comma-separated (default includes some smaller than N)")
     parser.add_argument("--iters", type=int, default=5, help="timed calls per size and algorithm")

@@ -135,7 +135,7 @@ def main(args, ctx):
 
 
 if __name__ == "__main__":
-    parser = lesson_parser(__doc__)
+    parser = lesson_parser(__doc__, min_ranks=2)
     parser.add_argument("--layers", type=int, default=8, help="LayerNorm+Linear pairs (4 tensors each)")
     parser.add_argument("--width", type=int, default=64, help="hidden size")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -74,6 +74,14 @@ def test_device_alone_picks_its_default_backend(gpus):
     assert setup.choose_device(3, 4, device="cpu") == (torch.device("cpu"), "gloo")
 
 
+@pytest.mark.parametrize("n_gpus,min_ranks,expected", [(0, 1, 2), (1, 1, 1), (1, 2, 2), (8, 1, 8), (8, 2, 8)])
+def test_plain_python_starts_one_rank_per_gpu_and_at_least_min_ranks(gpus, n_gpus, min_ranks, expected):
+    gpus(n_gpus)
+    args = setup.lesson_parser("", min_ranks=min_ranks).parse_args([])
+    assert setup.default_nproc(args) == expected
+    assert setup.default_nproc(setup.lesson_parser("").parse_args(["--backend", "gloo"])) == 2
+
+
 def test_environment_variables_set_the_defaults(monkeypatch):
     monkeypatch.setenv("DIST_BACKEND", "gloo")
     monkeypatch.setenv("DIST_DEVICE", "cpu")

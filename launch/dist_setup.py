@@ -131,8 +131,8 @@ def _run_rank(main, args, init=True):
     except UsageError as error:
         sys.stderr.write(f"[rank {rank}] error: {error}\n")  # one write: ranks' lines never mix
         sys.stderr.flush()
-        if "TORCHELASTIC_RUN_ID" in os.environ:
-            time.sleep(1)  # torchrun stops every rank when one exits: let the others print their line first
+        if world_size > 1:  # torchrun and mp.spawn stop every rank when one exits: let the others print first
+            time.sleep(1)
         return 2
     finally:
         if dist.is_initialized():

@@ -63,8 +63,17 @@ def lesson_env(extra=None):
     return env
 
 
+def log_launch(kind, command):
+    """With TEST_LAUNCH_LOG=file, every launch of the suite appends one line there (to count them)."""
+    if os.environ.get("TEST_LAUNCH_LOG"):
+        with open(os.environ["TEST_LAUNCH_LOG"], "a") as f:
+            f.write(f"{kind} {' '.join(map(str, command))}\n")
+
+
 def run_command(command, timeout=120, env=None, cwd=ROOT):
     """Run command in its own session; on timeout kill the whole process group."""
+    log_launch("python" if "--nproc" in map(str, command) else
+               "torchrun" if "torch.distributed.run" in map(str, command) else "other", command)
     proc = subprocess.Popen([str(c) for c in command], cwd=cwd, env=lesson_env(env), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
@@ -90,6 +99,7 @@ def run_lesson(lesson, *args, nproc=2, launcher="torchrun", timeout=120, env=Non
         launcher = "torchrun"
     if launcher == "warm":
         import warm_launcher  # tests/ is on sys.path (conftest.py)
+        log_launch("warm", [lesson, f"--nproc_per_node={nproc}", *args])
         return Result(*warm_launcher.run(ROOT / lesson, args, nproc=nproc, env=lesson_env(env), cwd=ROOT,
                                          timeout=timeout))
     if launcher == "torchrun":

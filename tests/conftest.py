@@ -22,3 +22,17 @@ def pytest_addoption(parser):
     parser.addoption("--gpu", action="store_true",
                      help="GPU mode: also run every lesson on this machine's GPUs with NCCL at each world size "
                           "from 1 to the number of GPUs, and with Gloo on CUDA tensors at 2 ranks (tests/test_gpu.py)")
+
+
+# Tests that share a module-scoped run (or one Slurm cluster, or network namespaces) stay on one
+# pytest-xdist worker (--dist loadgroup in pyproject.toml), so that run is made once.
+SHARED_FIXTURES = ("whole_run", "checkpoint_2_ranks", "print_env_3", "slurm")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        shared = [f for f in SHARED_FIXTURES if f in getattr(item, "fixturenames", ())]
+        if item.module.__name__ in ("test_launch_cluster", "test_gpu"):  # one cluster; GPUs run one lesson at a time
+            shared = [item.module.__name__]
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(shared[0]))

@@ -95,7 +95,7 @@ def test_ddp_and_fsdp_train_the_same_model(whole_run):
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.quick
+@pytest.mark.quick  # in the quick tier for train.py too: whole_run trains the model it samples from
 def test_generate_samples_from_the_exported_model(whole_run):
     result = run_command([sys.executable, ROOT / "transformer_basics/generate.py", "--checkpoint",
                           whole_run("fsdp")[1] / "model.pt", "--tokens", "40"], timeout=TIMEOUT)
@@ -119,7 +119,6 @@ def test_bad_data_gives_one_line_on_every_rank(content, message, tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.output
 
 
-@pytest.mark.quick
 def test_train_on_a_user_file_and_usage_errors(tmp_path):
     text = tmp_path / "poem.txt"
     text.write_text("roses are red, violets are blue; sugar is sweet, and so are you.\n" * 60)

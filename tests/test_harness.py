@@ -52,10 +52,14 @@ def wait_until_gone(pids, seconds=10):
     return [p for p in pids if alive(p)]
 
 
+# Each rank writes its view to a file of its own: two ranks printing ~4 KB lines into one pipe can
+# interleave (print writes the text and the newline separately), which broke this test once under load.
 DUMP = """
     import json, os, sys
-    print(json.dumps(dict(env=dict(os.environ), argv=sys.argv, orig_argv=sys.orig_argv[1:], path=sys.path,
-                          cwd=os.getcwd(), name=__name__, file=__file__)))
+    view = dict(env=dict(os.environ), argv=sys.argv, orig_argv=sys.orig_argv[1:], path=sys.path,
+                cwd=os.getcwd(), name=__name__, file=__file__)
+    with open(os.path.join(os.path.dirname(__file__), f"view{os.environ['RANK']}.json"), "w") as f:
+        json.dump(view, f)
 """
 
 
@@ -67,8 +71,10 @@ def test_environment_is_torchrun_s(tmp_path):
     for launcher in ["torchrun", "warm"]:
         result = run_lesson(path, "--flag", "x y", nproc=2, launcher=launcher, env={"MY_VAR": "1"})
         assert result.returncode == 0, result
-        views[launcher] = sorted((json.loads(line) for line in result.stdout.splitlines()),
-                                 key=lambda view: int(view["env"]["RANK"]))
+        files = sorted(tmp_path.glob("view*.json"))
+        views[launcher] = sorted((json.loads(f.read_text()) for f in files), key=lambda view: int(view["env"]["RANK"]))
+        for f in files:
+            f.unlink()
     assert len(views["warm"]) == len(views["torchrun"]) == 2
     for rank, (real, warm) in enumerate(zip(views["torchrun"], views["warm"])):
         for view in (real, warm):

@@ -140,18 +140,12 @@ def _run_rank(main, args, init=True):
             dist.destroy_process_group()
 
 
-def _exit(code):
-    """Leave now that the group is destroyed. Skipping the interpreter's teardown avoids a rare
-    abort there ("terminate called without an active exception", from Gloo's threads)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def _spawned(local_rank, main, args, nproc, port, init):
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    _exit(_run_rank(main, args, init))
+    code = _run_rank(main, args, init)
+    if code:
+        sys.exit(code)
 
 
 def free_port():
@@ -174,7 +168,7 @@ def run(main, args, init_process_group=True):
     init_process_group=False leaves the init to main (primitives/init_methods.py).
     """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun, Slurm + torchrun, a platform
-        _exit(_run_rank(main, args, init_process_group))
+        sys.exit(_run_rank(main, args, init_process_group))
     nproc = args.nproc if args.nproc is not None else default_nproc(args)
     if nproc < 1:
         sys.exit(f"error: --nproc must be at least 1, got {nproc}")

@@ -25,7 +25,8 @@ Processes of one run (the test's pytest process is the client):
   OMP_NUM_THREADS=1 when N > 1 and not set), sys.argv = [script, *args], sys.path[0] = the script's
   folder, cwd as asked; then runpy.run_path(script, run_name="__main__") and an exit like the
   interpreter's (SystemExit codes, traceback and code 1 on an exception, non-daemon threads joined,
-  atexit handlers run, streams flushed). launch/dist_setup.py leaves with os._exit itself.
+  atexit handlers run, streams flushed), then os._exit: objects still alive are not finalised (a
+  FileStore left referenced does not remove its file: keep real torchrun for tests of that).
 - Output: every rank writes straight into the client's two pipes (fd 1 and 2), as torchrun's workers
   write into torchrun's stdout/stderr: lines of different ranks interleave, nothing is lost or buffered
   by the launcher.

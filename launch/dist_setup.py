@@ -74,6 +74,13 @@ def lesson_parser(doc, default_nproc=None, min_ranks=1):
     return parser
 
 
+def test_flags(parser):
+    """The argument group for flags that exist so the tests can make one of the lesson's checks fail
+    (e.g. --skip-average): apart from the lesson's own options, and marked as such in --help."""
+    return parser.add_argument_group("for the tests only (each flag breaks one step on purpose, "
+                                     "to show that a check fails)")
+
+
 def choose_device(local_rank, local_world_size, backend=None, device=None):
     """Return (torch.device, backend name) for this rank, or raise UsageError."""
     accel = torch.accelerator.current_accelerator()  # None on a machine without GPUs

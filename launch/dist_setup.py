@@ -174,6 +174,9 @@ def run(main, args, init_process_group=True):
 
     init_process_group=False leaves the init to main (primitives/init_methods.py).
     """
+    if os.environ.get("DIST_PARSE_ONLY") == "1":  # tests/: a README's command line parses, nothing runs
+        print(f"parsed: {vars(args)}")
+        sys.exit(0)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun, Slurm + torchrun, a platform
         sys.exit(_run_rank(main, args, init_process_group))
     nproc = args.nproc if args.nproc is not None else default_nproc(args)

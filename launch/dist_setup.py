@@ -10,7 +10,7 @@
         run(main, lesson_parser(__doc__).parse_args())
 
 Under torchrun it reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
-MASTER_PORT. Started as `python lesson.py --nproc N` it spawns N processes itself,
+MASTER_PORT. Started as `python lesson.py --nproc N` it starts N processes itself,
 rendezvous on a free port of 127.0.0.1. Either way each rank picks its device and backend
 (CUDA+NCCL when every local rank has a GPU of its own, else CPU+Gloo; --backend/--device
 or DIST_BACKEND/DIST_DEVICE override), initialises the process group with a bounded
@@ -187,7 +187,11 @@ def run(main, args, init_process_group=True):
         if s.connect_ex(("127.0.0.1", port)) == 0:
             sys.exit(f"error: port {port} on 127.0.0.1 is in use: unset MASTER_PORT or pick a free one")
     try:
-        mp.spawn(_spawned, args=(main, args, nproc, port, init_process_group), nprocs=nproc)
+        # forkserver, not spawn: one server process imports the lesson (and torch) once, and each rank
+        # is forked from it, torch already imported (~2.5 s of CPU saved per rank). Safe with CUDA: the
+        # server never touches the GPU. https://docs.python.org/3/library/multiprocessing.html#contexts-and-start-methods
+        mp.start_processes(_spawned, args=(main, args, nproc, port, init_process_group), nprocs=nproc,
+                           start_method="forkserver")
     except mp.ProcessExitedException as error:  # the rank printed its own error; pass its code on
         sys.exit(error.exit_code if error.exit_code and error.exit_code > 0 else 1)
     except mp.ProcessRaisedException as error:  # a bug: show the rank's traceback once
@@ -202,15 +206,23 @@ def _tag():
     return f"[rank {_rank()}]"
 
 
+def _write(text):
+    # One write call per message: print(a, b) makes a write per argument and one for the newline,
+    # and with unbuffered output (python -u, PYTHONUNBUFFERED) the ranks' pieces mix on a shared
+    # terminal or pipe. A single write of up to 4 KiB to a pipe is never split (POSIX PIPE_BUF).
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def print_rank(*values):
     """Print one line prefixed with this rank."""
-    print(_tag(), *values, flush=True)
+    _write(" ".join(map(str, (_tag(), *values))))
 
 
 def print0(*values):
     """Print on rank 0 only."""
     if _rank() == 0:
-        print(*values, flush=True)
+        _write(" ".join(map(str, values)))
 
 
 def print_in_order(*values, group=None):
@@ -220,4 +232,4 @@ def print_in_order(*values, group=None):
     lines = [None] * dist.get_world_size(group) if dist.get_rank() == first else None
     dist.gather_object(text, lines, dst=first, group=group)  # pickles: fine between our own ranks
     if lines is not None:
-        print("\n".join(lines), flush=True)
+        _write("\n".join(lines))

@@ -62,10 +62,21 @@ def init(method, args, ctx):
 def file_path(args):
     # Every rank must name the same file, and it must be new: a FileStore file left over
     # from an earlier run still holds that run's keys and rank counter, so the next run
-    # would read stale values and fail or hang. One name per run, removed at the end.
+    # would read stale values and fail or hang. One name per run, removed at the end (below).
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "spawn")
     name = f"init_methods_{os.environ['MASTER_PORT']}_{run_id}"
     return args.file or os.path.join(tempfile.gettempdir(), name)
+
+
+def remove_store_file(args, rank):
+    # torch deletes the file when the last rank's FileStore is destroyed, best effort: the destructor
+    # bumps two counters in two steps, and in some orders no rank sees itself last, so the file stays
+    # (~FileStore in torch/csrc/distributed/c10d/FileStore.cpp, torch 2.13). So we delete it while the
+    # group is up, after the barrier in main (nobody reads the store any more); after the barrier here
+    # every destructor finds no file and returns at once (a group's collectives do not use the store).
+    if rank == 0:
+        os.remove(file_path(args))
+    dist.barrier()
 
 
 def main(args, ctx):
@@ -79,11 +90,11 @@ def main(args, ctx):
                            f"sum of ranks {result[0]}, squares {result[1]}")
             if result != expected:
                 raise RuntimeError(f"{method}: got {result}, expected {expected}")
-            dist.barrier()  # nobody leaves (and removes the file) while others still use it
+            dist.barrier()  # nobody tears its group down while others still use it
+            if method == "file":
+                remove_store_file(args, ctx.rank)
         finally:
             dist.destroy_process_group()
-        # file://: the last rank whose FileStore is destroyed deletes the file. Do not delete it
-        # yourself: a rank whose store is still being torn down can create it again (we saw it).
     print0(f"OK: init by {', '.join(methods)} gave the same result: "
            f"sum {expected[0]}, squares {expected[1]}")
 

@@ -7,6 +7,7 @@ import torch
 from harness import ROOT, assert_fails, assert_ok, run_command, run_lesson
 
 sys.path.insert(0, str(ROOT / "transformer_basics"))
+import checkpointing  # noqa: E402  (transformer_basics/checkpointing.py, likewise)
 import data  # noqa: E402  (transformer_basics/data.py, imported in this process: no ranks needed)
 
 TIMEOUT = 240
@@ -87,6 +88,41 @@ def test_train_loss_falls_and_resume_is_exact(parallel, nproc, whole_run, tmp_pa
     assert a.keys() == b.keys()
     for name in a:  # bit-exact: same data, same order of operations, restored optimizer and RNG
         assert torch.equal(a[name], b[name]), f"{parallel}: {name} differs after resume"
+
+
+def test_rng_restore_tolerates_a_missing_or_extra_device_state(capsys):
+    cpu_state = torch.get_rng_state()
+    # Written on the CPU, resumed on a GPU: no rng_cuda in the checkpoint (CUDA is never touched:
+    # the state is missing, so this runs on a machine without a GPU too). It used to raise KeyError.
+    checkpointing.set_rng_states({"rng": cpu_state}, torch.device("cuda"))
+    assert "the checkpoint has no rng_cuda" in capsys.readouterr().out
+    # Written on a GPU, resumed on the CPU: rng_cuda is there but of no use.
+    torch.manual_seed(123)
+    checkpointing.set_rng_states({"rng": cpu_state, "rng_cuda": torch.zeros(16, dtype=torch.uint8)},
+                                 torch.device("cpu"))
+    assert "rng_cuda in the checkpoint not restored" in capsys.readouterr().out
+    assert torch.equal(torch.get_rng_state(), cpu_state)  # the CPU state is restored all the same
+
+
+@pytest.mark.parametrize("parallel,nproc", [("none", 1), ("fsdp", 2)])
+def test_resume_on_the_cpu_from_a_checkpoint_written_on_a_gpu(parallel, nproc, whole_run, tmp_path):
+    """A checkpoint as a GPU run writes it (an extra rng_cuda), built by hand from a CPU one."""
+    whole = whole_run(parallel)[1]
+    gpu_state = torch.zeros(16, dtype=torch.uint8)  # any bytes: the CPU run must not use them
+    if parallel == "none":  # torch.save
+        state = torch.load(whole / "checkpoint.pt", map_location="cpu", weights_only=True)
+        torch.save({**state, "rng_cuda": gpu_state}, tmp_path / "checkpoint.pt")
+    else:  # torch.distributed.checkpoint: through one torch.save file and back, in this process
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+        dcp_to_torch_save(whole / "checkpoint", tmp_path / "full.pt")
+        state = torch.load(tmp_path / "full.pt", map_location="cpu", weights_only=True)
+        torch.save({**state, "rng_cuda": gpu_state}, tmp_path / "full.pt")
+        torch_save_to_dcp(tmp_path / "full.pt", tmp_path / "checkpoint")
+    result = run_lesson("transformer_basics/train.py", "--parallel", parallel, *SMALL, "--steps", "10",
+                        "--resume", "--out", tmp_path, nproc=nproc, launcher="warm", timeout=TIMEOUT)
+    assert_ok(result)
+    assert "resumed at step 8" in result.stdout
+    assert result.stdout.count("rng_cuda in the checkpoint not restored (this run is on cpu)") == 1
 
 
 def test_ddp_and_fsdp_train_the_same_model(whole_run):

@@ -1,4 +1,5 @@
-"""Tokens/s, step time and memory per rank of one GPT trained four ways on the same ranks.
+"""A measuring tool (not a lesson): tokens/s, step time and memory per rank of one GPT trained
+four ways on the same ranks; the ways themselves are taught in train.py and tensor_parallel.py.
 
   none  every rank trains its own copy, no communication: the ceiling for data parallel
   ddp   DistributedDataParallel: replicas, gradients all_reduced during backward

@@ -21,6 +21,20 @@ import data
 from model import GPT, GPTConfig
 
 
+def load_model(path, device):
+    """The GPT that a training run exported (its configuration and its full state dict), for inference."""
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    model = GPT(GPTConfig(**saved["config"]))
+    model.load_state_dict(saved["model"])
+    return model.to(device).eval()
+
+
+def sample(model, prompt, tokens, temperature=0.8, top_k=10):
+    """The prompt and `tokens` bytes sampled after it, as text."""
+    idx = data.encode(prompt)[None].to(model.lm_head.weight.device)
+    return data.decode(model.generate(idx, tokens, temperature, top_k)[0].tolist())
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", default="runs/gpt/model.pt", help="a model.pt written by train.py / train_2d.py")
@@ -35,11 +49,8 @@ def main():
     path = Path(args.checkpoint)
     if not path.is_file():
         sys.exit(f"error: no checkpoint at {path}: train first (python transformer_basics/train.py --out {path.parent})")
-    saved = torch.load(path, map_location="cpu", weights_only=True)
-    cfg = GPTConfig(**saved["config"])
-    model = GPT(cfg)
-    model.load_state_dict(saved["model"])
-    model.to(args.device).eval()
+    model = load_model(path, args.device)
+    cfg = model.cfg
 
     # A check that these are trained weights: the loss on held-out text (the validation split the
     # training run never trained on) must be well below log(256), that of uniform guessing.
@@ -55,8 +66,7 @@ def main():
     print(f"loss on held-out text: {loss:.3f} (uniform guessing: {math.log(256):.3f})")
 
     torch.manual_seed(args.seed)
-    prompt = data.encode(args.prompt)[None].to(args.device)
-    text = data.decode(model.generate(prompt, args.tokens, args.temperature, args.top_k)[0].tolist())
+    text = sample(model, args.prompt, args.tokens, args.temperature, args.top_k)
     print("sample:\n  " + text.replace("\n", "\n  "))
     if loss >= math.log(256) - 1:
         raise SystemExit(f"error: loss {loss:.3f} is close to uniform guessing: is {path} a trained model?")

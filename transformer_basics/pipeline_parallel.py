@@ -77,9 +77,8 @@ def main(args, ctx):
         stage_model.lm_head.weight if rank == p - 1 else None
 
     opt = torch.optim.SGD(stage_model.parameters(), lr=args.lr)   # SGD: see tensor_parallel.py
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=args.lr)
     windows = data.ShardedWindows(data.encode(data.generate_corpus(2000)), cfg.block_size, 0, 1, args.seed)
-    ref_params = dict(reference.named_parameters(remove_duplicate=False))  # lm_head.weight too
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=args.lr)
     worst_loss = worst_param = 0.0
     for step in range(args.steps):
         x, y = (t.to(ctx.device) for t in windows.batch(step, 0, args.batch_size))
@@ -96,21 +95,9 @@ def main(args, ctx):
             dist.all_reduce(tied.grad, group=tie_group)
         opt.step()
         opt.zero_grad()
-
-        ref_loss = loss_fn(reference(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-
-        loss = torch.stack(losses).mean() if rank == p - 1 else torch.zeros((), device=ctx.device)
-        dist.broadcast(loss, src=p - 1)         # the loss is known on the last stage only
-        worst_loss = max(worst_loss, abs(loss.item() - ref_loss.item()))
-        for name, param in stage_model.named_parameters():
-            diff = (param - ref_params[name]).abs().max().item()
-            if diff > args.tol:
-                raise RuntimeError(f"step {step}: stage {rank}'s {name} differs from single-process training by {diff:.2e}")
-            worst_param = max(worst_param, diff)
-        print0(f"step {step}: loss {loss.item():.4f} (single process {ref_loss.item():.4f})")
+        loss_diff, param_diff = check_step_matches_single_process(step, x, y, losses, stage_model, reference,
+                                                                  ref_opt, args, ctx)
+        worst_loss, worst_param = max(worst_loss, loss_diff), max(worst_param, param_diff)
     if worst_loss > args.tol:
         raise RuntimeError(f"the pipeline's loss differs from single-process training by {worst_loss:.2e}")
     worst = torch.tensor(worst_param, device=ctx.device)
@@ -120,6 +107,26 @@ def main(args, ctx):
            f"({p} stages, {m} micro-batches)")
     print0(f"OK: {args.schedule} pipeline of {p} stages x {m} micro-batches: losses and parameters of {args.steps} "
            f"steps equal single-process training (max diff {worst_loss:.1e} loss, {worst.item():.1e} parameters)")
+
+
+def check_step_matches_single_process(step, x, y, losses, stage_model, reference, ref_opt, args, ctx):
+    """The same step of the whole model in this process: its loss must equal the pipeline's, and
+    this stage's parameters the whole model's. Returns (loss difference, largest parameter difference)."""
+    ref_loss = loss_fn(reference(x), y)
+    ref_loss.backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    last = ctx.world_size - 1
+    loss = torch.stack(losses).mean() if ctx.rank == last else torch.zeros((), device=ctx.device)
+    dist.broadcast(loss, src=last)              # the loss is known on the last stage only
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))  # lm_head.weight too
+    worst = 0.0
+    for name, param in stage_model.named_parameters():
+        worst = max(worst, (param - ref_params[name]).abs().max().item())
+        if worst > args.tol:
+            raise RuntimeError(f"step {step}: stage {ctx.rank}'s {name} differs from single-process training by {worst:.2e}")
+    print0(f"step {step}: loss {loss.item():.4f} (single process {ref_loss.item():.4f})")
+    return abs(loss.item() - ref_loss.item()), worst
 
 
 if __name__ == "__main__":

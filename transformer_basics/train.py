@@ -1,147 +1,44 @@
 """Train the GPT of model.py on one process, with DDP, or with FSDP2 (--parallel none|ddp|fsdp).
 
-    python transformer_basics/train.py                                   # DDP, 2 CPU ranks (or every GPU), ~1 min
+    python transformer_basics/train.py                                   # DDP, 2 CPU ranks (or every GPU)
     torchrun --nproc_per_node=2 transformer_basics/train.py --parallel fsdp
     python transformer_basics/train.py --nproc 1 --parallel none
-    python transformer_basics/train.py --resume                          # go on from the checkpoint in --out
+    python transformer_basics/train.py --resume --steps 300              # go on from the checkpoint in --out
     torchrun --nproc_per_node=8 transformer_basics/train.py --gpt2-small --data input.txt --steps 5000
 
-A step: `accum` micro-batches per rank (gradients synchronised on the last one only), then
-gradient clipping, AdamW (weight decay on matrices only) and a warm-up + cosine learning
-rate. Rank 0 shows a tqdm bar; every --eval-every steps the held-out loss is averaged over
-all ranks. At the end: a complete checkpoint (model, optimizer, scheduler, step, RNG;
-torch.save for none/ddp, torch.distributed.checkpoint for fsdp; written to a temporary
-name, then renamed), the full model state dict for generate.py, a summary line, a sample.
-train_2d.py is this file with a 2-D mesh: `diff train.py train_2d.py`.
+main() reads top to bottom as a training script: the data each rank reads, the model, the
+parallelism (the only lines train_2d.py changes), the optimizer, resume, the loop, the
+checkpoint. The loop (training.py: gradient accumulation, clipping, bf16 autocast, eval)
+and the checkpoints (checkpointing.py: torch.save for none/ddp, torch.distributed.checkpoint
+for fsdp, atomic, with the RNG state) are shared with train_2d.py.
 
 Docs: https://pytorch.org/docs/stable/notes/ddp.html
       https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
-      https://pytorch.org/docs/stable/distributed.checkpoint.html
 """
-import contextlib
-import math
-import os
-import shutil
-import sys
-import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
-from tqdm import tqdm
 
 import data
+import training
+from checkpointing import export_full_model, load_checkpoint, save_checkpoint
 from launch.dist_setup import lesson_parser, print0, run
-from model import GPT, add_model_args, config_from_args
-
-# Dense bf16 peak FLOP/s by device name, for MFU; the first name found in the device's name wins.
-PEAK_BF16 = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("H800", 989e12), ("B200", 2250e12),
-             ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L4", 121e12), ("A10", 125e12)]
-
-
-def lr_factor(step, args):
-    """Linear warm-up to 1, then a cosine down to min_lr/lr at the last step."""
-    if step < args.warmup:
-        return (step + 1) / args.warmup
-    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-    floor = args.min_lr / args.lr
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def make_optimizer(model, args):
-    # Weight decay on matrices (Linear weights, embeddings) only, never on biases and norms.
-    params = [p for p in model.parameters() if p.requires_grad]  # parameters() yields a tied weight once
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    # fused: one kernel updates every parameter (CUDA, and CPU since torch 2.4), no Python loop
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=True)
-
-
-def export_full_model(model, cfg, path, rank):
-    """The unsharded state dict, gathered on rank 0 and written for generate.py (a collective)."""
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank == 0:
-        torch.save({"config": asdict(cfg), "model": full}, f"{path}.tmp")
-        os.replace(f"{path}.tmp", path)  # a reader never sees half a file
-
-
-def rng_states(device):
-    """The CPU generator's state and, on an accelerator, that device's own (dropout on a GPU draws
-    from the GPU's generator): both are CPU uint8 tensors, whichever device they describe."""
-    states = {"rng": torch.get_rng_state()}
-    if device.type != "cpu":
-        states[f"rng_{device.type}"] = torch.get_device_module(device).get_rng_state(device)
-    return states
-
-
-def set_rng_states(states, device):
-    torch.set_rng_state(states["rng"])
-    if device.type != "cpu":
-        torch.get_device_module(device).set_rng_state(states[f"rng_{device.type}"], device)
-
-
-def save_checkpoint(model, optimizer, scheduler, step, args, ctx, path):
-    extra = {"scheduler": scheduler.state_dict(), "step": step, **rng_states(ctx.device)}
-    if "fsdp" in args.parallel:  # every rank writes its own shards: nothing is gathered
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        tmp = f"{path}.tmp"
-        if ctx.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        dist.barrier()
-        dcp.save({"model": model_sd, "optimizer": optim_sd, **extra}, checkpoint_id=tmp)
-        dist.barrier()  # every shard is on disk before the directory is renamed
-        if ctx.rank == 0:
-            if os.path.exists(path):
-                os.replace(path, f"{path}.old")
-            os.replace(tmp, path)
-            shutil.rmtree(f"{path}.old", ignore_errors=True)
-    elif ctx.rank == 0:  # none, ddp: every rank holds the same model, rank 0 writes it
-        raw = model.module if args.parallel == "ddp" else model
-        torch.save({"model": raw.state_dict(), "optimizer": optimizer.state_dict(), **extra}, f"{path}.tmp")
-        os.replace(f"{path}.tmp", path)
-    if dist.is_initialized():
-        dist.barrier()  # nobody reads or rewrites the checkpoint before it is complete
-
-
-def load_checkpoint(model, optimizer, scheduler, args, ctx, path):
-    if "fsdp" in args.parallel:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
-                 "step": 0, **rng_states(ctx.device)}
-        dcp.load(state, checkpoint_id=path)  # each rank reads the shards it owns
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    else:
-        state = torch.load(path, map_location="cpu", weights_only=True)  # no pickled code runs
-        (model.module if args.parallel == "ddp" else model).load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    set_rng_states(state, ctx.device)  # every rank draws the same numbers (same seed), so rank 0's state is everyone's
-    return state["step"]
+from model import GPT, config_from_args
 
 
 def main(args, ctx):
     ctx.require(args.parallel != "none" or ctx.world_size == 1,
                 f"--parallel none trains one process, not {ctx.world_size}: use --nproc 1 or --parallel ddp")
     ctx.require(args.steps > args.warmup >= 0, "--steps must be larger than --warmup")
-    try:
-        text = data.load_text(args.data)
-    except ValueError as error:
-        ctx.require(False, str(error))
-    tokens = data.encode(text)
-    problem = data.check_tokens(tokens, args.block_size, args.data)
-    ctx.require(problem is None, problem)
     out = Path(args.out)
-    ckpt_path = out / ("checkpoint" if "fsdp" in args.parallel else "checkpoint.pt")
-    ctx.require(not args.resume or ckpt_path.exists(), f"--resume: no checkpoint at {ckpt_path}")
-    train_tokens, val_tokens = data.split(tokens)
+    ckpt = out / ("checkpoint" if args.parallel == "fsdp" else "checkpoint.pt")
+    ctx.require(not args.resume or ckpt.exists(), f"--resume: no checkpoint at {ckpt}")
+    train_tokens, val_tokens = training.load_tokens(args, ctx)
+    # Rank r reads the r-th disjoint share of every step's windows (like DistributedSampler).
     train_data = data.ShardedWindows(train_tokens, args.block_size, ctx.rank, ctx.world_size, args.seed)
     val_data = data.ShardedWindows(val_tokens, args.block_size, ctx.rank, ctx.world_size, args.seed)
 
@@ -160,155 +57,39 @@ def main(args, ctx):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)  # the rest (embeddings, final norm, head) as the root's group
     # --------------------------------------------------------------------
-    optimizer = make_optimizer(model, args)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args))
-    start = load_checkpoint(model, optimizer, scheduler, args, ctx, ckpt_path) if args.resume else 0
-    ctx.require(start < args.steps, f"--resume: the checkpoint is at step {start}, nothing left of --steps {args.steps}")
+    optimizer, scheduler = training.make_optimizer(model, args)
+    start = load_checkpoint(ckpt, model, optimizer, scheduler, ctx) if args.resume else 0
     print0(f"model: {n_params / 1e6:.2f}M parameters, {cfg}; {args.parallel} on {ctx.world_size} rank(s)"
            + (f", resumed at step {start}" if args.resume else ""))
-
-    use_bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and ctx.device.type == "cuda"
-                                            and torch.cuda.is_bf16_supported())
-    autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=use_bf16)
-    tokens_per_step = args.batch_size * args.accum * args.block_size * ctx.world_size
-
-    def get_batch(windows, step, micro):
-        x, y = windows.batch(step, micro, args.batch_size, args.accum)
-        return data.to_device(x, ctx.device), data.to_device(y, ctx.device)
-
-    def loss_of(x, y):
-        with autocast:
-            logits = model(x)
-        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-
-    @torch.no_grad()
-    def evaluate():
-        model.eval()
-        total = torch.zeros((), device=ctx.device)
-        for i in range(args.eval_batches):
-            total += loss_of(*get_batch(val_data, i, 0))
-        if dist.is_initialized():
-            dist.all_reduce(total, op=dist.ReduceOp.AVG)  # each rank saw different windows
-        model.train()
-        return total.item() / args.eval_batches
-
-    def sync():
-        if ctx.device.type != "cpu":
-            torch.accelerator.synchronize()
-
-    stop = min(args.steps, start + args.stop_after) if args.stop_after else args.steps
-    val_first = evaluate()
-    train_losses, val_last = [], val_first
-    bar = tqdm(range(start, stop), disable=ctx.rank != 0, desc=f"{args.parallel} x{ctx.world_size}",
-               unit="step", dynamic_ncols=True, file=sys.stdout if args.bar_stdout else None)
-    sync()
-    t0, t_timed = time.perf_counter(), None
-    for step in bar:
-        if step == start + 1:  # time from the second step on: the first one warms up (and compiles)
-            sync()
-            t_timed = time.perf_counter()
-        loss_sum = torch.zeros((), device=ctx.device)
-        for micro in range(args.accum):
-            last = micro == args.accum - 1
-            # Gradients are averaged over ranks on the last micro-batch only.
-            if args.parallel == "fsdp":
-                model.set_requires_gradient_sync(last)
-            skip_sync = model.no_sync() if args.parallel == "ddp" and not last else contextlib.nullcontext()
-            with skip_sync:
-                loss = loss_of(*get_batch(train_data, step, micro)) / args.accum
-                loss.backward()
-            loss_sum += loss.detach()  # stays on the device: no host sync per step
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step % args.log_every == 0 or step == stop - 1:  # the only host syncs: when logging
-            if dist.is_initialized():
-                dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
-            train_losses.append((step, loss_sum.item()))
-            elapsed = time.perf_counter() - t0
-            bar.set_postfix(loss=f"{train_losses[-1][1]:.3f}", lr=f"{scheduler.get_last_lr()[0]:.1e}",
-                            tok_s=f"{(step - start + 1) * tokens_per_step / elapsed:,.0f}")
-        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < stop:
-            out.mkdir(parents=True, exist_ok=True)
-            save_checkpoint(model, optimizer, scheduler, step + 1, args, ctx, ckpt_path)  # a collective
-        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < stop:
-            val_last = evaluate()
-            if ctx.rank == 0:
-                bar.write(f"step {step + 1}: val loss {val_last:.3f}")
-    sync()
-    timed_steps = stop - start - 1
-    step_time = (time.perf_counter() - t_timed) / timed_steps if timed_steps > 0 else float("nan")
-    bar.close()
-    val_last = evaluate()
-
     out.mkdir(parents=True, exist_ok=True)
-    save_checkpoint(model, optimizer, scheduler, stop, args, ctx, ckpt_path)
-    export_full_model(model, cfg, out / "model.pt", ctx.rank)
+    result = training.fit(model, optimizer, scheduler, train_data, val_data, start, args, ctx,
+                          save=lambda step: save_checkpoint(ckpt, model, optimizer, scheduler, step, ctx))
+    save_checkpoint(ckpt, model, optimizer, scheduler, result.stop, ctx)  # a collective: every rank
+    export_full_model(model, cfg, out / "model.pt", ctx.rank)             # a collective: every rank
 
-    if args.parallel == "ddp":  # DDP's promise: every replica holds the same parameters
-        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-        low, high = flat.clone(), flat.clone()
-        dist.all_reduce(low, op=dist.ReduceOp.MIN)
-        dist.all_reduce(high, op=dist.ReduceOp.MAX)
-        if not torch.equal(low, high):
-            raise RuntimeError("DDP replicas diverged: parameters differ between ranks")
+    if args.parallel == "ddp":
+        check_replicas_agree(model)
+    training.print_summary(result, f"{args.parallel} x{ctx.world_size}", flops_per_token, ctx)
+    training.print_sample(out / "model.pt", args, ctx)
+    training.check_loss_fell(result)
+    print0(f"OK: {args.parallel} on {ctx.world_size} rank(s) trained steps {start}..{result.stop - 1}, "
+           f"val loss {result.val_first:.3f} -> {result.val_last:.3f}; checkpoint {ckpt}, model {out / 'model.pt'}")
 
-    tok_s = tokens_per_step / step_time
-    name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
-    peak = next((f for key, f in PEAK_BF16 if key in name), None)
-    mfu = f"{flops_per_token * tok_s / ctx.world_size / peak:.1%} of {name} bf16 peak" if peak else \
-        f"unknown (no peak FLOP/s known for {name})"
-    first, final = train_losses[0][1], train_losses[-1][1]
-    print0(f"summary: {args.parallel} x{ctx.world_size}, {stop - start} steps, {tok_s:,.0f} tokens/s, "
-           f"{step_time * 1e3:.1f} ms/step, MFU {mfu}, train loss {first:.3f} -> {final:.3f}, "
-           f"val loss {val_first:.3f} -> {val_last:.3f}, bf16 {'on' if use_bf16 else 'off'}")
-    if ctx.rank == 0 and args.sample_tokens:  # the exported model, in this process alone (as generate.py)
-        sampler = GPT(cfg)
-        sampler.load_state_dict(torch.load(out / "model.pt", map_location="cpu", weights_only=True)["model"])
-        prompt = data.encode("the ")[None].to(ctx.device)
-        sample = sampler.to(ctx.device).eval().generate(prompt, args.sample_tokens, temperature=0.8, top_k=10)
-        text = data.decode(sample[0].tolist())
-        print("sample:\n  " + text.replace("\n", "\n  "))
-    if val_last >= val_first:
-        raise RuntimeError(f"the validation loss did not fall: {val_first:.3f} -> {val_last:.3f}")
-    print0(f"OK: {args.parallel} on {ctx.world_size} rank(s) trained steps {start}..{stop - 1}, "
-           f"val loss {val_first:.3f} -> {val_last:.3f}; checkpoint {ckpt_path}, model {out / 'model.pt'}")
+
+def check_replicas_agree(model):
+    """DDP's promise: every replica holds the same parameters, to the bit."""
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    low, high = flat.clone(), flat.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    if not torch.equal(low, high):
+        raise RuntimeError("DDP replicas diverged: parameters differ between ranks")
 
 
 def parse_args(argv=None):
     parser = lesson_parser(__doc__)
     parser.add_argument("--parallel", choices=["none", "ddp", "fsdp"], default="ddp")
-    parser.add_argument("--data", help="a UTF-8 text file (default: the corpus data.py generates)")
-    parser.add_argument("--out", default="runs/gpt", help="checkpoint directory (default: runs/gpt)")
-    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
-    parser.add_argument("--steps", type=int, default=250, help="optimizer steps in all (sets the LR schedule)")
-    parser.add_argument("--stop-after", type=int, default=0, help="stop after this many steps, as if interrupted")
-    parser.add_argument("--batch-size", type=int, default=16, help="windows per micro-batch per rank")
-    parser.add_argument("--accum", type=int, default=1, help="micro-batches per step (gradient accumulation)")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--min-lr", type=float, default=3e-4)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--weight-decay", type=float, default=0.1)
-    parser.add_argument("--grad-clip", type=float, default=1.0)
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                        help="autocast dtype; auto: bf16 on a GPU that has it, float32 on CPU (bf16 is slower there)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model (off by default)")
-    parser.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: at the end only)")
-    parser.add_argument("--eval-every", type=int, default=50)
-    parser.add_argument("--eval-batches", type=int, default=4)
-    parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--sample-tokens", type=int, default=200, help="tokens to sample at the end (0: none)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--bar-stdout", action="store_true", help="tqdm bar on stdout instead of stderr")
-    parser.add_argument("--gpt2-small", action="store_true",
-                        help="GPT-2 small: 12 layers, 12 heads, 768 wide, 1024 context, batch 8 x accum 8, lr 6e-4")
-    add_model_args(parser)
-    args = parser.parse_args(argv)
-    if args.gpt2_small:
-        args.n_layer, args.n_head, args.n_embd, args.block_size = 12, 12, 768, 1024
-        args.batch_size, args.accum, args.lr, args.min_lr, args.warmup = 8, 8, 6e-4, 6e-5, 100
-    return args
+    return training.parse_args(parser, argv, out="runs/gpt")
 
 
 if __name__ == "__main__":

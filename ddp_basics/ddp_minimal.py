@@ -113,10 +113,10 @@ def check_set_epoch(sampler, n):
 
 
 def check_matches_single_process(model, x, y, sampler, args, ctx):
-    """Independent reference: one process on ctx.device, seeded as rank 0 was (so DDP must have
-    broadcast rank 0's weights), at each step the concatenation of every rank's batch rebuilt by
+    """Independent reference: one process on ctx.device, seeded as rank 0 was (so rank 0's weights
+    must have reached every rank), at each step the concatenation of every rank's batch rebuilt by
     hand (toy.global_batches). Same device and float32 arithmetic, so the runs differ by summation
-    order only: a few ulp per step, measured 1.7e-6 after 3 epochs (113 steps with momentum) on
+    order only: a few ulp per step, measured 1-2e-6 after 3 epochs (113 steps with momentum) on
     CPU; --tol 1e-5, widened only if TF32 matmuls are on (toy.fp32_tolerance)."""
     torch.manual_seed(0)
     single = MLP(args.width).to(ctx.device)

@@ -56,25 +56,7 @@ def main(args, ctx):
     print_in_order(f"held-out accuracy {correct / count:.4f} ({correct:.0f}/{count:.0f}, all_reduced), "
                    f"loss {loss_sum / count:.4f}; sum of params {flat(model).double().sum().item():+.6f}")
 
-    if args.corrupt_for_testing:  # each rank moves its parameters by a different amount: every check must fail
-        with torch.no_grad():
-            for p in model.parameters():
-                p += 0.01 * (ctx.rank + 1)
-    check_set_epoch(sampler, len(dataset))
-    diff, tol = check_matches_single_process(model, x, y, sampler, args, ctx)
-    whole, failures = check_metric(model, test_x, test_y, (correct, count, loss_sum), ctx)
-    param_spread, metric_spread = spread(flat(model)), spread(torch.tensor(whole, device=ctx.device))
-    print0(f"max |param - single process| {diff:.2e} (tolerance {tol:g}); spread across ranks: "
-           f"params {param_spread:.2e}, metric {metric_spread:.2e}; chance accuracy {1 / 4:.2f}")
-    if not diff <= tol:  # `not <=`: a NaN fails too
-        failures.append(f"DDP training differs from single-process training by {diff:.2e}")
-    if param_spread != 0.0 or metric_spread != 0.0:
-        failures.append(f"ranks disagree (params {param_spread:.2e}, metric {metric_spread:.2e})")
-    if failures:
-        raise RuntimeError("; ".join(failures))
-    print0(f"OK: DDP + DistributedSampler on {ctx.world_size} ranks, {args.epochs} epochs: params match "
-           f"single-process training on the same batches (max diff {diff:.1e}) and are identical across ranks; "
-           f"all_reduced held-out accuracy {correct / count:.3f} equals the whole set's, on every rank")
+    check(model, x, y, sampler, test_x, test_y, (correct, count, loss_sum), args, ctx)
 
 
 def evaluate(model, x, y, ctx, group=None, device=None):
@@ -98,6 +80,30 @@ def show_eval_hang(model, test_x, test_y, args, ctx):
         except RuntimeError:
             print0(f"evaluation on rank 0 only: its all_reduce waited for ranks that never came, "
                    f"and failed after the {args.hang_timeout:g} s timeout (a hang with the default timeout)")
+
+
+def check(model, x, y, sampler, test_x, test_y, sums, args, ctx):
+    """Every check below, reported before any raises."""
+    correct, count, loss_sum = sums
+    if args.corrupt_for_testing:  # each rank moves its parameters by a different amount: every check must fail
+        with torch.no_grad():
+            for p in model.parameters():
+                p += 0.01 * (ctx.rank + 1)
+    check_set_epoch(sampler, len(x))
+    diff, tol = check_matches_single_process(model, x, y, sampler, args, ctx)
+    whole, failures = check_metric(model, test_x, test_y, sums, ctx)
+    param_spread, metric_spread = spread(flat(model)), spread(torch.tensor(whole, device=ctx.device))
+    print0(f"max |param - single process| {diff:.2e} (tolerance {tol:g}); spread across ranks: "
+           f"params {param_spread:.2e}, metric {metric_spread:.2e}; chance accuracy {1 / 4:.2f}")
+    if not diff <= tol:  # `not <=`: a NaN fails too
+        failures.append(f"DDP training differs from single-process training by {diff:.2e}")
+    if param_spread != 0.0 or metric_spread != 0.0:
+        failures.append(f"ranks disagree (params {param_spread:.2e}, metric {metric_spread:.2e})")
+    if failures:
+        raise RuntimeError("; ".join(failures))
+    print0(f"OK: DDP + DistributedSampler on {ctx.world_size} ranks, {args.epochs} epochs: params match "
+           f"single-process training on the same batches (max diff {diff:.1e}) and are identical across ranks; "
+           f"all_reduced held-out accuracy {correct / count:.3f} equals the whole set's, on every rank")
 
 
 def check_set_epoch(sampler, n):

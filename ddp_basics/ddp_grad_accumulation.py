@@ -1,6 +1,6 @@
 """Gradient accumulation with DDP: no_sync() on the micro-batches, one all_reduce per step.
 
-Each optimizer step sees a global batch of world_size * accum * micro examples. Every rank
+Each optimizer step sees a global batch of world_size * accum * batch examples. Every rank
 runs `accum` micro-batches; the first accum-1 run under `model.no_sync()` (gradients add up
 locally, nothing is sent), the last one lets DDP all_reduce (average) the summed gradients.
 Each micro-batch loss is divided by `accum`, so the result is the gradient of the mean loss
@@ -11,72 +11,92 @@ over the whole global batch. A comm hook that counts its calls shows the communi
 
 Docs: https://pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html#torch.nn.parallel.DistributedDataParallel.no_sync
 """
-import copy
-
 import torch
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from launch.dist_setup import lesson_parser, print0, run
-from toy import MLP, fp32_tolerance, make_data
-
-
-def counting_allreduce(state, bucket):
-    """The default all_reduce hook, counting each bucket it sends (state is a dict)."""
-    state["calls"] += 1
-    return default_hooks.allreduce_hook(None, bucket)  # None: the default (WORLD) group
-
-
-def train(args, ctx, x, y, reference, use_no_sync):
-    """Train a DDP copy of `reference` for args.steps steps; return (model, all_reduces per step)."""
-    model = DDP(copy.deepcopy(reference).to(ctx.device))
-    state = {"calls": 0}
-    model.register_comm_hook(state, counting_allreduce)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
-    per_rank = args.accum * args.micro
-    for step in range(args.steps):
-        start = (step * ctx.world_size + ctx.rank) * per_rank  # this rank's share of the global batch
-        for i in range(args.accum):
-            lo = start + i * args.micro
-            xb, yb = x[lo:lo + args.micro].to(ctx.device), y[lo:lo + args.micro].to(ctx.device)
-            last = i == args.accum - 1
-            if use_no_sync and not last:
-                with model.no_sync():  # gradients accumulate in .grad, no communication
-                    (F.cross_entropy(model(xb), yb) / args.accum).backward()
-            else:
-                (F.cross_entropy(model(xb), yb) / args.accum).backward()
-        opt.step()
-        opt.zero_grad()
-    return model.module, state["calls"] / args.steps
+from toy import MLP, flat, fp32_tolerance, global_batches, make_data
 
 
 def main(args, ctx):
-    ctx.require(args.accum >= 1 and args.micro >= 1, "--accum and --micro must be at least 1")
-    global_batch = ctx.world_size * args.accum * args.micro
-    x, y = make_data(global_batch * args.steps, seed=0)
-    torch.manual_seed(0)  # the same initial model on every rank (DDP would broadcast rank 0's anyway)
-    reference = MLP(args.width).to(ctx.device)
+    x, y = make_data(args.train, seed=0)  # every rank builds the same data, on the CPU
+    dataset = TensorDataset(x, y)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)  # this rank's 1/N (rank, N from the group)
+    loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler)  # micro-batches
+    ctx.require(len(loader) % args.accum == 0, f"{len(loader)} micro-batches per epoch per rank do not divide "
+                f"into steps of --accum {args.accum}: change --train, --batch or --accum")
+    torch.manual_seed(0)
+    model = MLP(args.width).to(ctx.device)
+    model = DDP(model, device_ids=None if ctx.device.type == "cpu" else [ctx.device])
+    sends = count_all_reduces(model)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)  # a new shuffle each epoch
+        for i, (xb, yb) in enumerate(loader):
+            xb, yb = xb.to(ctx.device), yb.to(ctx.device)
+            if (i + 1) % args.accum:
+                # the forward too: DDP decides in forward whether backward syncs (torch/nn/parallel/distributed.py, 2.13)
+                with model.no_sync():  # gradients accumulate in .grad, nothing is sent
+                    loss = F.cross_entropy(model(xb), yb) / args.accum  # the step's loss: the mean of accum micro-batches
+                    loss.backward()
+            else:
+                loss = F.cross_entropy(model(xb), yb) / args.accum
+                loss.backward()  # DDP all_reduces (averages) the accumulated gradients
+                opt.step()
+                opt.zero_grad()
 
-    model, sends = train(args, ctx, x, y, reference, use_no_sync=True)
-    _, sends_without = train(args, ctx, x, y, reference, use_no_sync=False)
+    steps = args.epochs * len(loader) // args.accum
+    sends_without = count_without_no_sync(loader, args, ctx)
+    check_matches_large_batch(model, x, y, args, ctx, sends["calls"] / steps, sends_without)
 
-    # Independent check: one process on ctx.device, plain SGD on the whole global batch at each step.
-    # Same device and float32 arithmetic: the runs differ by summation order only (micro-batch means
-    # added, rank sums averaged, vs one mean), a few ulp per step: measured 6e-8 after 20 steps on CPU.
-    tol = fp32_tolerance(args.tol)  # widened only if TF32 matmuls are on (see toy.py)
-    single = copy.deepcopy(reference)
-    opt = torch.optim.SGD(single.parameters(), lr=args.lr)
-    for step in range(args.steps):
-        lo = step * global_batch
-        xb, yb = x[lo:lo + global_batch].to(ctx.device), y[lo:lo + global_batch].to(ctx.device)
-        F.cross_entropy(single(xb), yb).backward()
-        opt.step()
-        opt.zero_grad()
-    worst = max((p.detach() - q.detach()).abs().max().item() for p, q in zip(model.parameters(), single.parameters()))
-    print0(f"global batch {global_batch} = {ctx.world_size} ranks x {args.accum} micro-batches x {args.micro}")
+
+def count_all_reduces(model):
+    """A comm hook (ddp_comm_hooks.py teaches them) replaces DDP's all_reduce of each gradient bucket:
+    this one counts, then does the default all_reduce."""
+    state = {"calls": 0}
+
+    def hook(state, bucket):
+        state["calls"] += 1
+        return default_hooks.allreduce_hook(None, bucket)  # None: the default (WORLD) group
+    model.register_comm_hook(state, hook)
+    return state
+
+
+def count_without_no_sync(loader, args, ctx):
+    """The same micro-batches without no_sync: all_reduces per optimizer step."""
+    model = DDP(MLP(args.width).to(ctx.device), device_ids=None if ctx.device.type == "cpu" else [ctx.device])
+    sends = count_all_reduces(model)
+    for i, (xb, yb) in enumerate(loader):
+        (F.cross_entropy(model(xb.to(ctx.device)), yb.to(ctx.device)) / args.accum).backward()
+        if (i + 1) % args.accum == 0:
+            model.zero_grad()
+    return sends["calls"] / (len(loader) // args.accum)
+
+
+def check_matches_large_batch(model, x, y, args, ctx, sends, sends_without):
+    """Independent: one process on ctx.device, at each step the whole global batch (every rank's accum
+    micro-batches, rebuilt by hand with toy.global_batches). Same device and float32 arithmetic: the runs
+    differ by summation order only (micro-batch means added, rank sums averaged, vs one mean), a few ulp
+    per step; measured 1-2e-7 after 3 epochs on CPU; --tol 1e-5, widened only if TF32 matmuls are on."""
+    torch.manual_seed(0)
+    single = MLP(args.width).to(ctx.device)
+    opt = torch.optim.SGD(single.parameters(), lr=args.lr, momentum=0.9)
+    xd, yd = x.to(ctx.device), y.to(ctx.device)
+    for epoch in range(args.epochs):
+        micro = global_batches(len(x), ctx.world_size, args.seed, epoch, args.batch)
+        for s in range(0, len(micro), args.accum):
+            idx = [i for m in micro[s:s + args.accum] for i in m]
+            F.cross_entropy(single(xd[idx]), yd[idx]).backward()
+            opt.step()
+            opt.zero_grad()
+    worst, tol = (flat(model) - flat(single)).abs().max().item(), fp32_tolerance(args.tol)
+    print0(f"global batch {ctx.world_size * args.accum * args.batch} = {ctx.world_size} ranks x {args.accum} "
+           f"micro-batches x {args.batch}")
     print0(f"all_reduce calls per step: {sends:g} with no_sync, {sends_without:g} without")
-    print0(f"max |param - single-process param| after {args.steps} steps: {worst:.2e} (tolerance {tol:g})")
+    print0(f"max |param - single-process param| after {args.epochs} epochs: {worst:.2e} (tolerance {tol:g})")
     if not worst <= tol:  # `not <=`: a NaN fails too
         raise RuntimeError(f"accumulated DDP training differs from the large batch by {worst:.2e}")
     if sends_without != args.accum * sends:
@@ -88,9 +108,11 @@ def main(args, ctx):
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step")
-    parser.add_argument("--micro", type=int, default=16, help="examples per micro-batch per rank")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--train", type=int, default=1536, help="training examples (a multiple of 64 x ranks)")
+    parser.add_argument("--batch", type=int, default=16, help="examples per rank per micro-batch")
+    parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--width", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.5)
+    parser.add_argument("--lr", type=float, default=0.2)
+    parser.add_argument("--seed", type=int, default=0, help="DistributedSampler's shuffle seed")
     parser.add_argument("--tol", type=float, default=1e-5)
     run(main, parser.parse_args())

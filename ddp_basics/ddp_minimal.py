@@ -5,9 +5,9 @@ backward; DistributedSampler gives each rank its own 1/N of a shuffled data set,
 `set_epoch(epoch)` reshuffles it each epoch (without it every epoch repeats epoch 0's order:
 measured below). Rank 0 alone draws a tqdm bar; the evaluation is split across the ranks
 and its sums are all_reduced, so every rank gets the same metric. Checks: the parameters
-equal one process trained on the same global batches (rebuilt from the sampler's order,
-computed by hand), they are identical on every rank, and the all_reduced metric equals the whole
-held-out set scored by each rank alone.
+equal one process trained on the same global batches (rebuilt by hand from the sampler's
+order, from rank 0's initial weights), they are identical on every rank, and the
+all_reduced metric equals the whole held-out set scored by each rank alone.
 
     torchrun --nproc_per_node=2 ddp_basics/ddp_minimal.py
     python ddp_basics/ddp_minimal.py --nproc 3 --epochs 10 --show-eval-hang
@@ -26,27 +26,41 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from tqdm import tqdm
 
-from launch.dist_setup import lesson_parser, print0, print_in_order, run
-from toy import MLP, fp32_tolerance, make_data
+from launch.dist_setup import lesson_parser, print0, print_in_order, run, test_flags
+from toy import MLP, flat, fp32_tolerance, global_batches, make_data, sampler_order, spread
 
 
-def sampler_order(n, world_size, rank, seed, epoch):
-    """What DistributedSampler(shuffle=True, drop_last=False) hands `rank`, by hand."""
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch), device="cpu").tolist()
-    order += order[:-(-n // world_size) * world_size - n]  # pad by wrapping: equal shares
-    return order[rank::world_size]
+def main(args, ctx):
+    x, y = make_data(args.train, seed=0)  # every rank builds the same data, on the CPU
+    dataset = TensorDataset(x, y)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)  # this rank's 1/N (rank, N from the group)
+    loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler)
+    torch.manual_seed(ctx.rank)  # different on purpose: DDP's constructor broadcasts rank 0's weights
+    model = MLP(args.width).to(ctx.device)
+    model = DDP(model, device_ids=None if ctx.device.type == "cpu" else [ctx.device])
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)  # a new shuffle each epoch
+        bar = tqdm(loader, desc=f"epoch {epoch}", disable=ctx.rank != 0, file=sys.stderr, mininterval=1)
+        for xb, yb in bar:
+            xb, yb = xb.to(ctx.device), yb.to(ctx.device)
+            loss = F.cross_entropy(model(xb), yb)
+            opt.zero_grad()
+            loss.backward()  # DDP all_reduces (averages) the gradients here, bucket by bucket
+            opt.step()
+            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)  # rank 0's local loss only
+    test_x, test_y = make_data(args.test, seed=1)  # held out
+    if args.show_eval_hang:
+        show_eval_hang(model, test_x, test_y, args, ctx)
+    correct, count, loss_sum = evaluate(model, test_x, test_y, ctx).tolist()  # on every rank
+    print_in_order(f"held-out accuracy {correct / count:.4f} ({correct:.0f}/{count:.0f}, all_reduced), "
+                   f"loss {loss_sum / count:.4f}; sum of params {flat(model).double().sum().item():+.6f}")
 
-
-def spread(values):
-    """Largest difference between ranks, elementwise: 0.0 when every rank holds the same."""
-    high, low = values.clone(), values.clone()
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    return (high - low).abs().max().item()
+    check(model, x, y, sampler, test_x, test_y, (correct, count, loss_sum), args, ctx)
 
 
 def evaluate(model, x, y, ctx, group=None, device=None):
-    """Each rank scores x[rank::W]; the sums are all_reduced, so every rank gets the same."""
+    """Each rank scores x[rank::N]; the sums are all_reduced, so every rank gets the whole set's."""
     device = device or ctx.device
     xs, ys = x[ctx.rank::ctx.world_size].to(device), y[ctx.rank::ctx.world_size].to(device)
     with torch.no_grad():
@@ -57,55 +71,34 @@ def evaluate(model, x, y, ctx, group=None, device=None):
     return sums
 
 
-def local_only(state, bucket):
-    """A comm hook that skips the all_reduce (--no-average): each rank keeps its own gradient."""
-    fut = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
+def show_eval_hang(model, test_x, test_y, args, ctx):
+    """The classic bug, `if rank == 0: evaluate(...)`, on a Gloo group with a short timeout (CPU tensors)."""
+    short = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.hang_timeout))
+    if ctx.rank == 0:
+        try:
+            evaluate(copy.deepcopy(model.module).cpu(), test_x, test_y, ctx, short, torch.device("cpu"))
+        except RuntimeError:
+            print0(f"evaluation on rank 0 only: its all_reduce waited for ranks that never came, "
+                   f"and failed after the {args.hang_timeout:g} s timeout (a hang with the default timeout)")
 
 
-def main(args, ctx):
-    x, y = make_data(args.train, seed=0)
-    test_x, test_y = make_data(args.test, seed=1)  # held out
-    dataset = TensorDataset(x, y)
-    sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)  # rank, size from the group
-    loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler)
-    torch.manual_seed(ctx.rank)  # different on purpose: DDP's constructor broadcasts rank 0's weights
-    model = DDP(MLP(args.width).to(ctx.device))
-    if args.no_average:
-        model.register_comm_hook(None, local_only)
-    start = copy.deepcopy(model.module)  # rank 0's weights, for the reference below
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
-        bar = tqdm(loader, desc=f"epoch {epoch}", disable=ctx.rank != 0, file=sys.stderr, mininterval=1)
-        for xb, yb in bar:
-            loss = F.cross_entropy(model(xb.to(ctx.device)), yb.to(ctx.device))
-            opt.zero_grad()
-            loss.backward()  # DDP all_reduces (averages) the gradients here, bucket by bucket
-            opt.step()
-            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)  # rank 0's local loss only
-    if args.show_eval_hang:
-        show_eval_hang(model, test_x, test_y, args, ctx)
-    correct, count, loss_sum = evaluate(model, test_x, test_y, ctx).tolist()
-
-    check_set_epoch(sampler, len(dataset))
-    diff, param_spread, params = check_params(model, start, x, y, sampler, args, ctx)
-    whole, metric_spread = score_whole_set(model, test_x, test_y, ctx)
-    tol = fp32_tolerance(args.tol)  # widened only if TF32 matmuls are on (see toy.py)
-    print_in_order(f"held-out accuracy {correct / count:.4f} ({correct:.0f}/{count:.0f}, all_reduced), "
-                   f"loss {loss_sum / count:.4f}; sum of params {params.double().sum().item():+.6f}")
+def check(model, x, y, sampler, test_x, test_y, sums, args, ctx):
+    """Every check below, reported before any raises."""
+    correct, count, loss_sum = sums
+    if args.corrupt_for_testing:  # each rank moves its parameters by a different amount: every check must fail
+        with torch.no_grad():
+            for p in model.parameters():
+                p += 0.01 * (ctx.rank + 1)
+    check_set_epoch(sampler, len(x))
+    diff, tol = check_matches_single_process(model, x, y, sampler, args, ctx)
+    whole, failures = check_metric(model, test_x, test_y, sums, ctx)
+    param_spread, metric_spread = spread(flat(model)), spread(torch.tensor(whole, device=ctx.device))
     print0(f"max |param - single process| {diff:.2e} (tolerance {tol:g}); spread across ranks: "
            f"params {param_spread:.2e}, metric {metric_spread:.2e}; chance accuracy {1 / 4:.2f}")
-    failures = []
     if not diff <= tol:  # `not <=`: a NaN fails too
         failures.append(f"DDP training differs from single-process training by {diff:.2e}")
     if param_spread != 0.0 or metric_spread != 0.0:
         failures.append(f"ranks disagree (params {param_spread:.2e}, metric {metric_spread:.2e})")
-    # float32 sums of 1000 losses in two orders: the means differ by ~1e-7; bound 1e-5
-    if whole[0] != correct or count != len(test_y) or abs(whole[1] - loss_sum / count) > 1e-5:
-        failures.append(f"all_reduced metric ({correct:.0f} correct, loss {loss_sum / count:.6f}) differs "
-                        f"from the whole set's ({whole[0]:.0f}, {whole[1]:.6f})")
     if failures:
         raise RuntimeError("; ".join(failures))
     print0(f"OK: DDP + DistributedSampler on {ctx.world_size} ranks, {args.epochs} epochs: params match "
@@ -125,49 +118,40 @@ def check_set_epoch(sampler, n):
         raise RuntimeError("DistributedSampler did not behave as described")
 
 
-def check_params(model, start, x, y, sampler, args, ctx):
-    """Independent reference: one process on ctx.device, the same start, and at each step the
-    concatenation of every rank's batch (equal sizes, so the mean loss over it is the mean of the
-    ranks'). Same device and float32 arithmetic, so the runs differ by summation order only: a few
-    ulp per step, measured 1.7e-6 after 3 epochs (113 steps with momentum) on CPU; --tol 1e-5."""
-    W = ctx.world_size
+def check_matches_single_process(model, x, y, sampler, args, ctx):
+    """Independent reference: one process on ctx.device, seeded as rank 0 was (so rank 0's weights
+    must have reached every rank), at each step the concatenation of every rank's batch rebuilt by
+    hand (toy.global_batches). Same device and float32 arithmetic, so the runs differ by summation
+    order only: a few ulp per step, measured 1-2e-6 after 3 epochs (113 steps with momentum) on
+    CPU; --tol 1e-5, widened only if TF32 matmuls are on (toy.fp32_tolerance)."""
+    torch.manual_seed(0)
+    single = MLP(args.width).to(ctx.device)
+    opt = torch.optim.SGD(single.parameters(), lr=args.lr, momentum=0.9)
     xd, yd = x.to(ctx.device), y.to(ctx.device)
-    single = copy.deepcopy(start)
-    ref_opt = torch.optim.SGD(single.parameters(), lr=args.lr, momentum=0.9)
     for epoch in range(args.epochs):
-        orders = [sampler_order(len(x), W, r, args.seed, epoch) for r in range(W)]
         sampler.set_epoch(epoch)
-        if orders[ctx.rank] != list(sampler):
+        if list(sampler) != sampler_order(len(x), ctx.world_size, ctx.rank, args.seed, epoch):
             raise RuntimeError("the hand-computed order differs from DistributedSampler's")
-        for lo in range(0, len(orders[0]), args.batch):
-            idx = [i for order in orders for i in order[lo:lo + args.batch]]
-            ref_opt.zero_grad()
+        for idx in global_batches(len(x), ctx.world_size, args.seed, epoch, args.batch):
+            opt.zero_grad()
             F.cross_entropy(single(xd[idx]), yd[idx]).backward()
-            ref_opt.step()
-    params = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
-    diff = (params - torch.cat([p.detach().reshape(-1) for p in single.parameters()])).abs().max().item()
-    return diff, spread(params), params
+            opt.step()
+    return (flat(model) - flat(single)).abs().max().item(), fp32_tolerance(args.tol)
 
 
-def score_whole_set(model, test_x, test_y, ctx):
-    """The whole held-out set scored by this rank alone (no collective): [correct, mean loss], and
-    its spread across ranks (not 0 by construction: it differs wherever the parameters do)."""
+def check_metric(model, test_x, test_y, sums, ctx):
+    """The whole held-out set scored by this rank alone (no collective): [correct, mean loss],
+    compared with the all_reduced sums. Returns it (its spread across ranks is not 0 by
+    construction: it differs wherever the parameters do) and the failures found."""
+    correct, count, loss_sum = sums
     with torch.no_grad():
-        out = model.module(test_x.to(ctx.device))
-        yd = test_y.to(ctx.device)
-        whole = torch.stack([(out.argmax(1) == yd).sum().double(), F.cross_entropy(out, yd).double()])
-    return whole.tolist(), spread(whole)
-
-
-def show_eval_hang(model, test_x, test_y, args, ctx):
-    """The classic bug, `if rank == 0: evaluate(...)`, on a Gloo group with a short timeout (CPU tensors)."""
-    short = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.hang_timeout))
-    if ctx.rank == 0:
-        try:
-            evaluate(copy.deepcopy(model.module).cpu(), test_x, test_y, ctx, short, torch.device("cpu"))
-        except RuntimeError:
-            print0(f"evaluation on rank 0 only: its all_reduce waited for ranks that never came, "
-                   f"and failed after the {args.hang_timeout:g} s timeout (a hang with the default timeout)")
+        out, yd = model.module(test_x.to(ctx.device)), test_y.to(ctx.device)
+        whole = [(out.argmax(1) == yd).sum().item(), F.cross_entropy(out, yd).item()]
+    # float32 sums of 1000 losses in two orders: the means differ by ~1e-7; bound 1e-5
+    if whole[0] != correct or count != len(test_y) or not abs(whole[1] - loss_sum / count) <= 1e-5:
+        return whole, [f"all_reduced metric ({correct:.0f} correct, loss {loss_sum / count:.6f}) differs "
+                       f"from the whole set's ({whole[0]:.0f}, {whole[1]:.6f})"]
+    return whole, []
 
 
 if __name__ == "__main__":
@@ -180,9 +164,10 @@ if __name__ == "__main__":
     parser.add_argument("--lr", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0, help="DistributedSampler's shuffle seed")
     parser.add_argument("--tol", type=float, default=1e-5, help="max |param difference| allowed (float32)")
-    parser.add_argument("--no-average", action="store_true",
-                        help="a comm hook that skips DDP's all_reduce: the checks fail")
-    parser.add_argument("--show-eval-hang", action="store_true",
-                        help="first evaluate on rank 0 only, under a short timeout: the hang it causes")
-    parser.add_argument("--hang-timeout", type=float, default=3.0)
+    tests = test_flags(parser)
+    tests.add_argument("--show-eval-hang", action="store_true",
+                       help="first evaluate on rank 0 only, under a short timeout: the hang it causes")
+    tests.add_argument("--hang-timeout", type=float, default=3.0)
+    tests.add_argument("--corrupt-for-testing", action="store_true",
+                       help="after training each rank moves its params by a different amount: every check fails")
     run(main, parser.parse_args())

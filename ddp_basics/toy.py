@@ -2,11 +2,14 @@
 
 Points in 2-D are labelled by which of 4 interleaved spirals they lie on; a 3-layer MLP
 learns it in a few hundred steps on a CPU. make_data is deterministic in its seed, so every
-rank builds the same full data set and takes its own share of it.
+rank builds the same full data set; DistributedSampler gives each rank its share of it.
+The rest is for the lessons' checks: `global_batches` rebuilds, by hand, what every rank's
+sampler handed out (the single-process reference trains on it), `flat` and `spread`.
 """
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -51,3 +54,34 @@ def fp32_tolerance(tol):
 def accuracy(model, x, y):
     with torch.no_grad():
         return (model(x).argmax(dim=1) == y).float().mean().item()
+
+
+def sampler_order(n, world_size, rank, seed, epoch):
+    """What DistributedSampler(shuffle=True, seed=seed, drop_last=False) hands `rank` in `epoch`, by
+    hand (torch/utils/data/distributed.py, torch 2.13): a permutation seeded with seed + epoch,
+    padded by wrapping to a multiple of world_size, then every world_size-th index from `rank` on."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch), device="cpu").tolist()
+    order += order[:-(-n // world_size) * world_size - n]
+    return order[rank::world_size]
+
+
+def global_batches(n, world_size, seed, epoch, batch):
+    """Index lists, one per step: every rank's batch of that step (`batch` of its sampler order),
+    concatenated. The ranks' batches have equal sizes, so the mean loss over the concatenation is
+    the mean of the ranks' mean losses: what DDP's averaged gradient is the gradient of."""
+    orders = [sampler_order(n, world_size, r, seed, epoch) for r in range(world_size)]
+    return [[i for order in orders for i in order[lo:lo + batch]] for lo in range(0, len(orders[0]), batch)]
+
+
+def flat(model):
+    """All parameters as one vector (a copy, detached)."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def spread(values):
+    """max over elements of (max over ranks - min over ranks): 0.0 iff every rank holds the same
+    values (two all_reduces, MAX and MIN; every rank must call it)."""
+    high, low = values.clone(), values.clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    return (high - low).abs().max().item()

@@ -88,15 +88,15 @@ def main(args, ctx):
 
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))  # without it FSDP picks the accelerator
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+        fully_shard(block, mesh=mesh)  # its parameters become DTensors, Shard(0) (see fsdp_minimal.py)
+    fully_shard(model, mesh=mesh)  # the root: inp and head
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)  # after fully_shard: it sees the shards
     start = load(model, opt, root) if args.resume else start_fresh(root, ctx)
     ctx.require(start < stop, f"--resume: the checkpoint is at step {start}, nothing left before step {stop}")
     for step in range(start, stop):
         xb, yb = rank_batch(x, y, step, args.batch, ctx)
         loss = F.cross_entropy(model(xb), yb)
-        loss.backward()
+        loss.backward()  # per block, last to first: all_gather, gradients, reduce_scatter
         opt.step()
         opt.zero_grad()
         if (step + 1) % args.save_every == 0 or step + 1 == stop:

@@ -51,7 +51,7 @@ def main(args, ctx):
     with torch.device("meta"):
         model = BlockMLP(args.width, args.depth)  # shapes only: nothing allocated, nothing drawn
 
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))  # the device FSDP gathers and computes on
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))  # without it FSDP picks the accelerator
     offload = CPUOffloadPolicy(pin_memory=ctx.device.type != "cpu")  # pinned memory needs an accelerator
     for block in model.blocks:
         fully_shard(block, mesh=mesh, offload_policy=offload)

@@ -85,10 +85,10 @@ def main(args, ctx):
     reference = copy.deepcopy(model)  # for the checks
 
     memo = {"gathered": [], "peak": 0}
-    for parent in list(model.modules()):  # every Linear keeps 1/N of itself (cut from it: on ctx.device)
+    for parent in list(model.modules()):  # every Linear keeps 1/N of itself
         for name, child in parent.named_children():
             if isinstance(child, nn.Linear):
-                setattr(parent, name, ShardedLinear(child, ctx, memo))
+                setattr(parent, name, ShardedLinear(child, ctx, memo))  # device: cut from child, on ctx.device
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)  # sees the shards only: its state is 1/N too
     losses = []
     for step in range(args.steps):

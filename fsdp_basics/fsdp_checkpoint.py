@@ -59,7 +59,9 @@ def load(model, opt, root):
     name = (root / "latest").read_text().strip()
     model_sd, optim_sd = get_state_dict(model, opt)  # the shapes and shards to fill, at this world size
     state = {"model": model_sd, "optim": optim_sd, "step": 0, "world_size": 0}
-    dcp.load(state, checkpoint_id=root / name)  # each rank reads the slices it owns now
+    dcp.load(state, checkpoint_id=root / name)  # each rank reads the slices it owns now, in place
+    # The tensors above are the model's own shards, already filled; set_state_dict is still the documented
+    # last step (post-processing, non-tensor values: dcp.load's docstring, torch 2.13).
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     print0(f"resumed from {name} (written by {state['world_size']} ranks) at step {state['step']} "
            f"on {dist.get_world_size()} ranks")

@@ -2,14 +2,11 @@
 
 get_state_dict(model, optimizer) gives each rank's shards (DTensors) under plain names;
 dcp.save writes them, every rank its own, plus metadata saying which slice of which tensor
-each file holds. So dcp.load can reshard: a run at 2 ranks reads a checkpoint that 4 ranks
-wrote, each rank reading exactly the slices it now owns; set_state_dict puts them in place.
-A crash during save must leave the previous checkpoint usable: each save goes to
-step_N.tmp, is renamed to step_N once every rank has written, and only then the file
-`latest` is switched to it (a write to a temporary file and os.replace: atomic). A resume
-reads `latest`, so it never sees a half-written checkpoint. At the end, rank 0 exports the
-full, unsharded state dict (full_state_dict=True, cpu_offload=True) that a plain model loads
-with torch.load(weights_only=True), and checks it against one process trained without a stop.
+each file holds, so dcp.load can reshard: 2 ranks read what 4 wrote, each rank the slices it
+now owns, and set_state_dict puts them in place. A save goes to step_N.tmp, is renamed
+step_N once every rank has written, and only then is `latest` switched to it (os.replace:
+atomic), so a crash during a save leaves the previous checkpoint usable. At the end rank 0
+exports the full state dict, which a plain model loads with torch.load(weights_only=True).
 
     torchrun --nproc_per_node=4 fsdp_basics/fsdp_checkpoint.py --stop-at 4    # save, stop
     torchrun --nproc_per_node=2 fsdp_basics/fsdp_checkpoint.py --resume       # reshard, go on
@@ -30,8 +27,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from launch.dist_setup import lesson_parser, print0, run
-from toy import BlockMLP, make_data
+from launch.dist_setup import lesson_parser, print0, run, test_flags
+from toy import BlockMLP, make_data, rank_batch, train_one_process
 
 
 def save(model, opt, step, root, ctx, crash):
@@ -58,81 +55,85 @@ def save(model, opt, step, root, ctx, crash):
 
 
 def load(model, opt, root):
-    """Read the checkpoint `latest` names into this rank's shards, whatever N wrote it."""
+    """Read the checkpoint `latest` names into this rank's shards, whatever N wrote it; return its step."""
     name = (root / "latest").read_text().strip()
     model_sd, optim_sd = get_state_dict(model, opt)  # the shapes and shards to fill, at this world size
     state = {"model": model_sd, "optim": optim_sd, "step": 0, "world_size": 0}
-    dcp.load(state, checkpoint_id=root / name)  # each rank reads the slices it owns now
+    dcp.load(state, checkpoint_id=root / name)  # each rank reads the slices it owns now, in place
+    # The tensors above are the model's own shards, already filled; set_state_dict is still the documented
+    # last step (post-processing, non-tensor values: dcp.load's docstring, torch 2.13).
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return name, state["step"], state["world_size"]
+    print0(f"resumed from {name} (written by {state['world_size']} ranks) at step {state['step']} "
+           f"on {dist.get_world_size()} ranks")
+    return state["step"]
 
 
-def main(args, ctx):
-    ctx.require(args.batch % ctx.world_size == 0, f"--batch {args.batch} must divide by {ctx.world_size} ranks")
-    stop = args.stop_at or args.steps
-    ctx.require(0 < stop <= args.steps, f"--stop-at must be between 1 and --steps {args.steps}")
-    root = Path(args.dir)
-    ctx.require(not args.resume or (root / "latest").exists(), f"--resume: no checkpoint in {root}")
-    x, y = (t.to(ctx.device) for t in make_data(args.batch * args.steps))
-    torch.manual_seed(0)
-    model = BlockMLP(args.width, args.depth).to(ctx.device)
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))  # FSDP's mesh: on this run's device
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-
-    start = 0
-    if args.resume:
-        name, start, saved_at = load(model, opt, root)
-        print0(f"resumed from {name} (written by {saved_at} ranks) at step {start} on {ctx.world_size} ranks")
-        ctx.require(start < stop, f"--resume: the checkpoint is at step {start}, nothing left before step {stop}")
-    elif ctx.rank == 0:  # a fresh run: no checkpoint of an earlier run may be mistaken for ours
+def start_fresh(root, ctx):
+    """No checkpoint of an earlier run in `root` may be mistaken for this run's."""
+    if ctx.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         (root / "latest").unlink(missing_ok=True)  # first, so that no pointer names a deleted directory
         for old in root.glob("step_*"):
             shutil.rmtree(old)
     dist.barrier()
+    return 0
 
-    per_rank = args.batch // ctx.world_size
+
+def main(args, ctx):
+    ctx.require(args.batch % ctx.world_size == 0, f"--batch {args.batch} must divide by {ctx.world_size} ranks")
+    stop, root = args.stop_at or args.steps, Path(args.dir)
+    ctx.require(0 < stop <= args.steps, f"--stop-at must be between 1 and --steps {args.steps}")
+    ctx.require(not args.resume or (root / "latest").exists(), f"--resume: no checkpoint in {root}")
+    x, y = (t.to(ctx.device) for t in make_data(args.batch * args.steps))
+    torch.manual_seed(0)  # the same initial model on every rank (drawn on the CPU, then moved)
+    model = BlockMLP(args.width, args.depth).to(ctx.device)
+
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))  # without it FSDP picks the accelerator
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)  # its parameters become DTensors, Shard(0) (see fsdp_minimal.py)
+    fully_shard(model, mesh=mesh)  # the root: inp and head
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)  # after fully_shard: it sees the shards
+    start = load(model, opt, root) if args.resume else start_fresh(root, ctx)
+    ctx.require(start < stop, f"--resume: the checkpoint is at step {start}, nothing left before step {stop}")
     for step in range(start, stop):
-        lo = step * args.batch + ctx.rank * per_rank  # the global batch of a step is the same at any N
-        F.cross_entropy(model(x[lo:lo + per_rank]), y[lo:lo + per_rank]).backward()
+        xb, yb = rank_batch(x, y, step, args.batch, ctx)
+        loss = F.cross_entropy(model(xb), yb)
+        loss.backward()  # per block, last to first: all_gather, gradients, reduce_scatter
         opt.step()
         opt.zero_grad()
         if (step + 1) % args.save_every == 0 or step + 1 == stop:
             save(model, opt, step + 1, root, ctx, crash=args.crash_during_save and step + 1 == stop)
-
     # The full model on rank 0 only, in CPU memory: what a plain single-process user loads.
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    export = root / "model.pt"
-    diff = torch.zeros(1, device=ctx.device)  # broadcast below: on the device the backend takes
     if ctx.rank == 0:
         torch.save(full, root / "model.pt.tmp")
-        os.replace(root / "model.pt.tmp", export)  # a reader never sees half a file
+        os.replace(root / "model.pt.tmp", root / "model.pt")  # a reader never sees half a file
+
+    diff = check_export_matches_one_process(root / "model.pt", x, y, stop, args, ctx)
+    print0(f"OK: trained steps {start}..{stop - 1} on {ctx.world_size} ranks" + " after resuming" * args.resume
+           + f"; the exported full state dict loads into a plain model and matches an uninterrupted run "
+           f"(max diff {diff:.1e})")
+
+
+def check_export_matches_one_process(export, x, y, stop, args, ctx):
+    """Rank 0 loads the export into a plain model and compares it with one process trained `stop` steps
+    without a stop. Same device: only the order of float32 sums differs (N per-rank batches averaged by
+    reduce_scatter against one full batch), ~1e-7 after the default 8 steps, hence --tol 1e-5."""
+    diff = torch.zeros(1, device=ctx.device)  # broadcast below: on the device the backend takes
+    if ctx.rank == 0:
         plain = BlockMLP(args.width, args.depth).to(ctx.device)  # load_state_dict copies the CPU tensors in
         plain.load_state_dict(torch.load(export, map_location="cpu", weights_only=True))
         torch.manual_seed(0)
-        reference = BlockMLP(args.width, args.depth).to(ctx.device)  # one process, all `stop` steps, uninterrupted
-        ref_opt = torch.optim.Adam(reference.parameters(), lr=args.lr)
-        for step in range(stop):
-            lo = step * args.batch
-            F.cross_entropy(reference(x[lo:lo + args.batch]), y[lo:lo + args.batch]).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
+        reference = BlockMLP(args.width, args.depth).to(ctx.device)
+        train_one_process(reference, x, y, args.batch, stop, args.lr)
         diff[0] = max((p - q).abs().max().item() for p, q in zip(plain.parameters(), reference.parameters()))
         checksum = sum(p.double().abs().sum().item() for p in plain.parameters())
         print(f"exported {export} ({export.stat().st_size:,} B); step {stop} params checksum {checksum:.6f}; "
               f"max |param - uninterrupted single process| {diff.item():.2e} (tolerance {args.tol:g})", flush=True)
     dist.broadcast(diff, src=0)  # every rank fails together if the check fails
-    # The reference runs on the same device: only the order of float32 sums differs (N per-rank batches
-    # averaged by reduce_scatter against one full batch), ~1e-7 after the default 8 steps, hence --tol 1e-5.
     if diff.item() > args.tol:
         raise RuntimeError(f"the resumed training differs from an uninterrupted one by {diff.item():.2e}")
-    print0(f"OK: trained steps {start}..{stop - 1} on {ctx.world_size} ranks"
-           + (f" after resuming a checkpoint written by {saved_at} ranks" if args.resume else "")
-           + f"; the exported full state dict loads into a plain model and matches an uninterrupted run "
-           f"(max diff {diff.item():.1e})")
+    return diff.item()
 
 
 if __name__ == "__main__":
@@ -142,11 +143,11 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=8, help="steps of the whole training")
     parser.add_argument("--stop-at", type=int, default=0, help="stop after this step, as if interrupted (0: --steps)")
     parser.add_argument("--save-every", type=int, default=2, help="save every N steps (and at the stop)")
-    parser.add_argument("--crash-during-save", action="store_true",
-                        help="raise in the last save, after dcp.save wrote step_N.tmp and before it is published")
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--batch", type=int, default=48, help="global batch, divisible by the world size")
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--tol", type=float, default=1e-5)
+    test_flags(parser).add_argument("--crash-during-save", action="store_true",
+                                    help="raise in the last save after dcp.save wrote step_N.tmp, before publishing it")
     run(main, parser.parse_args())

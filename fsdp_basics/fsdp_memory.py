@@ -20,22 +20,12 @@ import copy
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from launch.dist_setup import lesson_parser, print0, print_in_order, run
-from toy import BlockMLP, make_data
-
-
-def storage_bytes(tensors):
-    storages = {}
-    for t in tensors:
-        t = t.to_local() if isinstance(t, DTensor) else t
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(storages.values())
+from toy import BlockMLP, make_data, step_bytes, storage_bytes
 
 
 def measure(model, x, y, lr):
@@ -46,12 +36,7 @@ def measure(model, x, y, lr):
         gathered[0] = max(gathered[0], storage_bytes(block.parameters()))
 
     hooks = [] if isinstance(model, DDP) else [b.register_forward_pre_hook(in_forward) for b in model.blocks]
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    F.cross_entropy(model(x).float(), y).backward()
-    opt.step()  # creates Adam's state: exp_avg and exp_avg_sq, shaped like the (sharded) parameters
-    params = list(model.parameters())
-    held = [storage_bytes(params), storage_bytes(p.grad for p in params),
-            storage_bytes(t for s in opt.state.values() for t in s.values())]
+    held = step_bytes(model, torch.optim.Adam(model.parameters(), lr=lr), x, y)
     for hook in hooks:
         hook.remove()
     return held + [sum(held), gathered[0]]

@@ -26,8 +26,9 @@ def main(args, ctx):
     dataset = TensorDataset(x, y)
     sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)  # this rank's 1/N (rank, N from the group)
     loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler)  # micro-batches
-    ctx.require(len(loader) % args.accum == 0, f"{len(loader)} micro-batches per epoch per rank do not divide "
-                f"into steps of --accum {args.accum}: change --train, --batch or --accum")
+    ctx.require(len(sampler) % args.batch == 0 and len(loader) % args.accum == 0,
+                f"{len(sampler)} examples per rank do not make whole steps of --accum {args.accum} x --batch "
+                f"{args.batch}: make --train a multiple of {args.accum * args.batch} x ranks")
     torch.manual_seed(0)
     model = MLP(args.width).to(ctx.device)
     model = DDP(model, device_ids=None if ctx.device.type == "cpu" else [ctx.device])

@@ -88,3 +88,11 @@ def test_benchmark_batch_must_divide():
 def test_unused_parameters_batch_must_divide():
     assert_fails(run_lesson("ddp_basics/ddp_unused_parameters.py", "--batch", "10", nproc=3, timeout=TIMEOUT),
                  "must divide by 3 ranks", within=3)
+
+
+def test_grad_accumulation_needs_whole_micro_batches():
+    # 1536 examples on 5 ranks: 308 each, so the last micro-batch held 4 and the lesson, weighting
+    # every micro-batch 1/accum, trained on a different loss than the large batch (it said so with a
+    # RuntimeError and a traceback, not a usage line)
+    assert_fails(run_lesson("ddp_basics/ddp_grad_accumulation.py", nproc=5, launcher="warm", timeout=TIMEOUT),
+                 "make --train a multiple of 64 x ranks", within=5)

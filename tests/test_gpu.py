@@ -60,7 +60,7 @@ LESSONS = {
     "ddp_basics/manual_data_parallel.py": dict(min_ranks=1, gloo_cuda=True, divides=96),
     "ddp_basics/ddp_minimal.py": ANY,
     "ddp_basics/ddp_checkpoint.py": ANY,
-    "ddp_basics/ddp_grad_accumulation.py": ANY,
+    "ddp_basics/ddp_grad_accumulation.py": dict(min_ranks=1, gloo_cuda=True, divides=1536),  # whole micro-batches
     "ddp_basics/ddp_mixed_precision.py": ANY,
     "ddp_basics/ddp_comm_hooks.py": ANY,
     "ddp_basics/ddp_uneven_inputs.py": dict(min_ranks=2, gloo_cuda=True),
@@ -68,7 +68,7 @@ LESSONS = {
     "ddp_basics/syncbatchnorm.py": ANY,
     "ddp_basics/dataparallel_vs_ddp.py": dict(min_ranks=1, gloo_cuda=True, divides=96),
     "ddp_basics/benchmark_ddp.py": dict(min_ranks=1, gloo_cuda=True, divides=192),
-    "fsdp_basics/zero_by_hand.py": ANY,
+    "fsdp_basics/zero_by_hand.py": BATCH48,  # N must divide --batch (48) since it reduce_scatters the batch
     "fsdp_basics/fsdp_minimal.py": BATCH48,
     "fsdp_basics/fsdp_mixed_precision.py": BATCH48,
     "fsdp_basics/fsdp_memory.py": ANY,

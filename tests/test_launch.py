@@ -112,6 +112,35 @@ def test_multinode_script_refuses_a_missing_lesson():
     assert result.returncode == 2 and "error: lesson file 'launch/no_such.py' not found" in result.stderr
 
 
+FAKE_HOST_TOOLS = {
+    # What netns_two_hosts.sh needs from the system, faked: root, iproute2, unshare and torchrun.
+    "id": 'echo 0',
+    "ip": '[ "$1 $2" = "netns exec" ] && { shift 3; exec "$@"; }; exit 0',  # run the command "in" the namespace
+    "unshare": 'while [ "${1#--}" != "$1" ]; do shift; done; exec "$@"',
+    "hostname": 'exit 0',
+    # Node 0 prints a line; node 1 prints only torchrun's notice, which the script filters out.
+    "torchrun": 'case "$*" in *--node_rank=0*) echo "OK: node 0 on $GLOO_SOCKET_IFNAME";; '
+                '*) echo "Setting OMP_NUM_THREADS environment variable for each process to be 1";; esac; '
+                'exit "${FAKE_TORCHRUN_EXIT:-0}"',
+}
+
+
+@pytest.mark.parametrize("exit_code", [0, 3])
+def test_netns_script_keeps_the_exit_code_of_its_nodes(tmp_path, exit_code):
+    """A node whose every line is filtered out is not a failure (grep -v exits 1 then, and the
+    script runs under set -o pipefail); a node that fails still fails the script with its code.
+    The real run (root, namespaces) is tests/test_launch_cluster.py."""
+    for name, body in FAKE_HOST_TOOLS.items():
+        (tmp_path / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tmp_path / name).chmod(0o755)
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "FAKE_TORCHRUN_EXIT": str(exit_code)}
+    result = run_command(["bash", "launch/netns_two_hosts.sh", "primitives/hello_distributed.py"],
+                         timeout=30, env=env)
+    assert result.returncode == exit_code, str(result)
+    assert "[node0] OK: node 0 on vA" in result.stdout, str(result)
+    assert "[node1]" not in result.stdout, str(result)  # its only line was filtered
+
+
 def children_left(marker):
     """Pids of live processes whose environment carries marker (waits up to 5 s for them to go)."""
     needle = f"LAUNCH_TEST_MARKER={marker}".encode()

@@ -198,6 +198,31 @@ def test_legacy_torch_distributed_launch(use_env):
         assert f"[rank {r}] local rank {r} from the {source}; device cpu" in result.stdout, result.stdout
 
 
+@pytest.mark.parametrize("argument,env,source", [
+    (["--local_rank=0"], {}, "argument --local-rank"),   # a launcher that passes only the argument
+    ([], {"LOCAL_RANK": "0"}, "environment LOCAL_RANK"),  # torchrun: only the variable
+    (["--local-rank=0"], {"LOCAL_RANK": "0"}, "argument --local-rank"),  # torch.distributed.launch: both
+])
+def test_legacy_launch_argument_else_local_rank(argument, env, source):
+    """One rank started by hand with what a launcher sets, each way legacy_launch.py accepts."""
+    started = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    result = run_command([sys.executable, "launch/legacy_launch.py", *argument], timeout=TIMEOUT,
+                         env={**started, **env})
+    assert f"OK: 1 rank(s) found their local rank from the {source}" in assert_ok(result), str(result)
+    assert f"[rank 0] local rank 0 from the {source}; device cpu" in result.stdout, str(result)
+
+
+@pytest.mark.parametrize("argument,env,error", [
+    ([], {}, "error: no --local-rank argument and no LOCAL_RANK variable"),
+    (["--local-rank=1"], {"LOCAL_RANK": "0"}, "--local-rank 1 disagrees with LOCAL_RANK=0"),
+])
+def test_legacy_launch_refuses_a_missing_or_conflicting_local_rank(argument, env, error):
+    started = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    result = run_command([sys.executable, "launch/legacy_launch.py", *argument], timeout=TIMEOUT,
+                         env={**started, **env})
+    assert_fails(result, error)
+
+
 def elastic_command(port, run_id, *args, nproc=2, max_restarts=1):
     return [*TORCHRUN, "--nnodes=1:2", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",

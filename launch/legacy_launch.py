@@ -19,11 +19,8 @@ from launch.dist_setup import lesson_parser, print0, print_in_order, run
 
 
 def main(args, ctx):
-    from_env = int(os.environ["LOCAL_RANK"])
-    if args.local_rank is not None and args.local_rank != from_env:
-        raise RuntimeError(f"--local-rank {args.local_rank} disagrees with LOCAL_RANK={from_env}")
-    source = "argument --local-rank" if args.local_rank is not None else "environment LOCAL_RANK"
-    print_in_order(f"local rank {from_env} from the {source}; device {ctx.device}")
+    local_rank, source = local_rank_of(args, ctx)
+    print_in_order(f"local rank {local_rank} from the {source}; device {ctx.device}")
     total = torch.tensor([ctx.rank], device=ctx.device)
     dist.all_reduce(total)
     if total.item() != ctx.world_size * (ctx.world_size - 1) // 2:
@@ -32,8 +29,23 @@ def main(args, ctx):
            f"torchrun --nproc_per_node=N {os.path.relpath(__file__)} (and read LOCAL_RANK from the environment)")
 
 
+def local_rank_of(args, ctx):
+    """The --local-rank argument if the launcher passed one, else the LOCAL_RANK variable."""
+    from_env = os.environ.get("LOCAL_RANK")
+    if args.local_rank is None:
+        ctx.require(from_env is not None, "no --local-rank argument and no LOCAL_RANK variable: "
+                                          "start with torchrun or python -m torch.distributed.launch")
+        return int(from_env), "environment LOCAL_RANK"
+    if from_env is not None and int(from_env) != args.local_rank:
+        raise RuntimeError(f"--local-rank {args.local_rank} disagrees with LOCAL_RANK={from_env}")
+    return args.local_rank, "argument --local-rank"
+
+
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     # Both spellings: torch.distributed.launch writes --local-rank since torch 2.0, --local_rank before.
     parser.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None)
-    run(main, parser.parse_args())
+    args = parser.parse_args()
+    if args.local_rank is not None and "RANK" in os.environ:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))  # dist_setup picks the device from it
+    run(main, args)

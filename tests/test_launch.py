@@ -112,6 +112,35 @@ def test_multinode_script_refuses_a_missing_lesson():
     assert result.returncode == 2 and "error: lesson file 'launch/no_such.py' not found" in result.stderr
 
 
+FAKE_HOST_TOOLS = {
+    # What netns_two_hosts.sh needs from the system, faked: root, iproute2, unshare and torchrun.
+    "id": 'echo 0',
+    "ip": '[ "$1 $2" = "netns exec" ] && { shift 3; exec "$@"; }; exit 0',  # run the command "in" the namespace
+    "unshare": 'while [ "${1#--}" != "$1" ]; do shift; done; exec "$@"',
+    "hostname": 'exit 0',
+    # Node 0 prints a line; node 1 prints only torchrun's notice, which the script filters out.
+    "torchrun": 'case "$*" in *--node_rank=0*) echo "OK: node 0 on $GLOO_SOCKET_IFNAME";; '
+                '*) echo "Setting OMP_NUM_THREADS environment variable for each process to be 1";; esac; '
+                'exit "${FAKE_TORCHRUN_EXIT:-0}"',
+}
+
+
+@pytest.mark.parametrize("exit_code", [0, 3])
+def test_netns_script_keeps_the_exit_code_of_its_nodes(tmp_path, exit_code):
+    """A node whose every line is filtered out is not a failure (grep -v exits 1 then, and the
+    script runs under set -o pipefail); a node that fails still fails the script with its code.
+    The real run (root, namespaces) is tests/test_launch_cluster.py."""
+    for name, body in FAKE_HOST_TOOLS.items():
+        (tmp_path / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tmp_path / name).chmod(0o755)
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "FAKE_TORCHRUN_EXIT": str(exit_code)}
+    result = run_command(["bash", "launch/netns_two_hosts.sh", "primitives/hello_distributed.py"],
+                         timeout=30, env=env)
+    assert result.returncode == exit_code, str(result)
+    assert "[node0] OK: node 0 on vA" in result.stdout, str(result)
+    assert "[node1]" not in result.stdout, str(result)  # its only line was filtered
+
+
 def children_left(marker):
     """Pids of live processes whose environment carries marker (waits up to 5 s for them to go)."""
     needle = f"LAUNCH_TEST_MARKER={marker}".encode()
@@ -167,6 +196,31 @@ def test_legacy_torch_distributed_launch(use_env):
     assert f"OK: 2 rank(s) found their local rank from the {source}" in ok, ok
     for r in range(2):
         assert f"[rank {r}] local rank {r} from the {source}; device cpu" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("argument,env,source", [
+    (["--local_rank=0"], {}, "argument --local-rank"),   # a launcher that passes only the argument
+    ([], {"LOCAL_RANK": "0"}, "environment LOCAL_RANK"),  # torchrun: only the variable
+    (["--local-rank=0"], {"LOCAL_RANK": "0"}, "argument --local-rank"),  # torch.distributed.launch: both
+])
+def test_legacy_launch_argument_else_local_rank(argument, env, source):
+    """One rank started by hand with what a launcher sets, each way legacy_launch.py accepts."""
+    started = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    result = run_command([sys.executable, "launch/legacy_launch.py", *argument], timeout=TIMEOUT,
+                         env={**started, **env})
+    assert f"OK: 1 rank(s) found their local rank from the {source}" in assert_ok(result), str(result)
+    assert f"[rank 0] local rank 0 from the {source}; device cpu" in result.stdout, str(result)
+
+
+@pytest.mark.parametrize("argument,env,error", [
+    ([], {}, "error: no --local-rank argument and no LOCAL_RANK variable"),
+    (["--local-rank=1"], {"LOCAL_RANK": "0"}, "--local-rank 1 disagrees with LOCAL_RANK=0"),
+])
+def test_legacy_launch_refuses_a_missing_or_conflicting_local_rank(argument, env, error):
+    started = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    result = run_command([sys.executable, "launch/legacy_launch.py", *argument], timeout=TIMEOUT,
+                         env={**started, **env})
+    assert_fails(result, error)
 
 
 def elastic_command(port, run_id, *args, nproc=2, max_restarts=1):

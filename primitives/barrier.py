@@ -19,13 +19,15 @@ import time
 import uuid
 
 import torch.distributed as dist
-from launch.dist_setup import lesson_parser, print0, print_in_order, run
+from launch.dist_setup import lesson_parser, print0, print_in_order, run, test_flags
 
 
 def main(args, ctx):
     ctx.require(args.delay >= 0, "--delay must be >= 0")
     names = [uuid.uuid4().hex if ctx.rank == 0 else None]
-    dist.broadcast_object_list(names, src=0)  # one file name for the whole run
+    # broadcast_object_list: broadcast for picklable Python objects (object_collectives.py); here rank 0's
+    # file name, so that every rank uses the same one.
+    dist.broadcast_object_list(names, src=0)
     path = os.path.join(tempfile.gettempdir(), f"barrier_demo_{names[0]}.txt")  # one per node
 
     try:
@@ -64,5 +66,5 @@ def main(args, ctx):
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument("--delay", type=float, default=0.5, help="seconds local rank 0 takes to prepare")
-    parser.add_argument("--no-barrier", action="store_true", help="skip the barrier, to see the readers fail")
+    test_flags(parser).add_argument("--no-barrier", action="store_true", help="skip the barrier: the readers must fail")
     run(main, parser.parse_args())

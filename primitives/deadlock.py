@@ -35,8 +35,9 @@ def main(args, ctx):
     rank, world = ctx.rank, ctx.world_size
     right, left = (rank + 1) % world, (rank - 1) % world
 
-    # 1. The deadlock. A side group (always Gloo, CPU tensors) with a short timeout, so that
-    #    the demonstration cannot hang. Every collective below uses the default group.
+    # 1. The deadlock. A side group (new_group: a second process group, see process_groups.py; always
+    #    Gloo, CPU tensors) with a short timeout, so that the demonstration cannot hang. Every
+    #    collective below uses the default group.
     side = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.demo_timeout))
     out = torch.empty(args.demo_size, device="cpu")
     start = time.perf_counter()
@@ -81,7 +82,8 @@ def main(args, ctx):
         dist.send(mine, dst=right)
     fix1 = check("parity order", got)
 
-    # Fix 2: post both without blocking (the rank may compute meanwhile), then wait for both.
+    # Fix 2: post both without blocking (the rank may compute meanwhile), then wait for both. isend/irecv
+    #        return at once with a Work whose wait() blocks until done (async_point_to_point.py).
     #        Posted in the parity order of Fix 1: on NCCL the posts run in order (see the docstring).
     got = torch.empty(n, device=ctx.device)
     if rank % 2 == 0:

@@ -41,11 +41,11 @@ def init(method, args, ctx):
     if method == "env":
         dist.init_process_group(init_method="env://", **common)
     elif method == "tcp":
-        # Rank 0 serves a store at host:port and the others connect. torchrun sets
-        # TORCHELASTIC_USE_AGENT_STORE=True, which makes every rank a mere client of the store
-        # its agent serves at MASTER_ADDR:MASTER_PORT; that store still holds the keys of the
-        # env:// group above, and a second group formed there would read them. So: a fresh
-        # store, served by rank 0, on the next port.
+        # Rank 0 serves a store at host:port and the others connect. torchrun's agent (its parent
+        # process on each node) already serves a TCPStore, the agent store, at MASTER_ADDR:MASTER_PORT
+        # (stores: see stores.py), and sets TORCHELASTIC_USE_AGENT_STORE=True, which makes every rank a
+        # mere client of it; that store still holds the keys of the env:// group above, and a second
+        # group formed there would read them. So: a fresh store, served by rank 0, on the next port.
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
         dist.init_process_group(init_method=f"tcp://{host}:{args.port or port + 1}", rank=ctx.rank,
                                 world_size=ctx.world_size, **common)

@@ -53,8 +53,10 @@ def main(args, ctx):
     #    CPU tensors: require_point_to_point refused Gloo with CUDA tensors above.)
     if ctx.backend == "gloo":
         if rank == 0:
-            works = [dist.isend(torch.full((n,), 1.0, device=ctx.device), dst=1, tag=1),  # isend: do not
-                     dist.isend(torch.full((n,), 2.0, device=ctx.device), dst=1, tag=2)]  # block on the first
+            # isend: a send that returns at once with a Work to wait() on (async_point_to_point.py); here
+            # so that rank 0 does not block on the first message while rank 1 asks for the second.
+            works = [dist.isend(torch.full((n,), 1.0, device=ctx.device), dst=1, tag=1),
+                     dist.isend(torch.full((n,), 2.0, device=ctx.device), dst=1, tag=2)]
             for w in works:
                 w.wait()
         elif rank == 1:

@@ -92,61 +92,73 @@ def main(args, ctx):
     # tensor shorter than N may leave a rank nothing to send: a collective first sets the group up.
     dist.barrier()
 
-    def sync():
-        if ctx.device.type != "cpu":
-            torch.accelerator.synchronize()
-
-    def timed(fn, data):
-        """Seconds per call (slowest rank), and what the call returned."""
-        work = data.clone()
-        fn(work)  # warm-up: connections and buffers are set up on first use
-        dist.barrier()
-        sync()
-        start = time.perf_counter()
-        for _ in range(args.iters):
-            work.copy_(data)
-            out = fn(work)
-        sync()
-        elapsed = torch.tensor([(time.perf_counter() - start) / args.iters], device=ctx.device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        return elapsed.item(), out
-
     print0(f"{'elements':>9} {'ring steps':>10} {'ring MB sent':>12} {'ring ms':>8}  {'tree steps':>10} "
            f"{'tree MB sent':>12} {'tree ms':>8}  {'all_reduce ms':>13}")
     for n in sizes:
-        # Each rank's data is a function of (rank, seed): every rank can rebuild everyone's.
-        def data_of(r):
-            gen = torch.Generator().manual_seed(1000 * n + r)
-            return torch.randint(-1000, 1000, (n,), generator=gen, device="cpu").float()
-        expected = sum(data_of(r) for r in range(world))  # the independent answer, on one rank
-        mine = data_of(rank).to(ctx.device)
-
-        results = {}
-        for name, fn in [("ring", ring_all_reduce), ("tree", tree_all_reduce)]:
-            got = mine.clone()
-            steps, sent = fn(got, rank, world)
-            library = mine.clone()
-            dist.all_reduce(library)
-            for what, other in [("a plain sum of every rank's data", expected), ("dist.all_reduce", library)]:
-                if not torch.equal(got.cpu(), other.cpu()):
-                    bad = (got.cpu() != other.cpu()).nonzero().flatten()[:5].tolist()
-                    raise RuntimeError(f"rank {rank}: {name} all-reduce of {n} elements differs from {what} "
-                                       f"at indices {bad}")
-            most_sent = torch.tensor([sent], dtype=torch.float64, device=ctx.device)
-            dist.all_reduce(most_sent, op=dist.ReduceOp.MAX)  # the busiest rank sets the pace
-            seconds, _ = timed(lambda t, fn=fn: fn(t, rank, world), mine)
-            results[name] = (steps, most_sent.item() / 1e6, seconds * 1e3)
-        library_ms = timed(dist.all_reduce, mine)[0] * 1e3
-        (rs, rb, rt), (ts, tb, tt) = results["ring"], results["tree"]
-        print0(f"{n:>9} {rs:>10} {rb:>12.3f} {rt:>8.3f}  {ts:>10} {tb:>12.3f} {tt:>8.3f}  {library_ms:>13.3f}")
+        mine = data_of(rank, n).to(ctx.device)
+        ring, tree = mine.clone(), mine.clone()
+        ring_steps, ring_sent = ring_all_reduce(ring, rank, world)  # in place: ring now holds the sum
+        tree_steps, tree_sent = tree_all_reduce(tree, rank, world)
+        check_matches_plain_sum_and_library("ring", ring, mine, world, rank)
+        check_matches_plain_sum_and_library("tree", tree, mine, world, rank)
+        most_sent = [busiest_rank_sent(sent, ctx) / 1e6 for sent in (ring_sent, tree_sent)]
+        ms = [ms_per_call(fn, mine, args, ctx) for fn in (ring_all_reduce, tree_all_reduce, library_all_reduce)]
+        print0(f"{n:>9} {ring_steps:>10} {most_sent[0]:>12.3f} {ms[0]:>8.3f}  {tree_steps:>10} {most_sent[1]:>12.3f} "
+               f"{ms[1]:>8.3f}  {ms[2]:>13.3f}")
 
     print0(f"Ring: 2(N-1) = {2 * (world - 1)} steps, the busiest rank sends 2(N-1)/N of the tensor. Tree: "
-           f"2 ceil(log2 N) = {2 * math.ceil(math.log2(world))} steps, rank 0 sends the whole tensor at each broadcast step. "
-           "Where each step costs a fixed latency (small tensors) fewer steps win; where bytes cost most (large "
-           "tensors, many ranks, real links) the ring's fewer bytes win. Read the columns above: on one "
-           "loaded CPU host both costs are blurred; primitives/README.md has the cost model.")
+           f"2 ceil(log2 N) = {2 * math.ceil(math.log2(world))} steps of the whole tensor. Which wins where: "
+           "primitives/README.md (on one loaded CPU host the times blur both costs).")
     print0(f"OK: ring and tree all-reduce built from send/recv equal dist.all_reduce and a plain sum bit for bit "
            f"on {world} ranks at sizes {sizes}")
+
+
+def data_of(r, n):
+    """Rank r's data for size n, a function of (r, n) only: any rank can rebuild everyone's. Integer
+    values in float32: every sum is exact, so a different summation order cannot change a bit."""
+    gen = torch.Generator().manual_seed(1000 * n + r)
+    return torch.randint(-1000, 1000, (n,), generator=gen, device="cpu").float()
+
+
+def check_matches_plain_sum_and_library(name, summed, mine, world, rank):
+    """Bit for bit against a plain sum of every rank's data (rebuilt here) and against dist.all_reduce."""
+    library = mine.clone()
+    dist.all_reduce(library)
+    plain = sum(data_of(r, mine.numel()) for r in range(world))
+    for what, other in [("a plain sum of every rank's data", plain), ("dist.all_reduce", library.cpu())]:
+        if not torch.equal(summed.cpu(), other):
+            bad = (summed.cpu() != other).nonzero().flatten()[:5].tolist()
+            raise RuntimeError(f"rank {rank}: {name} all-reduce of {mine.numel()} elements differs from {what} "
+                               f"at indices {bad}")
+
+
+def library_all_reduce(tensor, rank, world):
+    dist.all_reduce(tensor)
+
+
+def busiest_rank_sent(sent, ctx):
+    """The most bytes any rank sent: the busiest rank sets the pace."""
+    most = torch.tensor([sent], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return most.item()
+
+
+def ms_per_call(all_reduce, data, args, ctx):
+    """Milliseconds per call of all_reduce(tensor, rank, world), the slowest rank's, after a warm-up call."""
+    work = data.clone()
+    all_reduce(work, ctx.rank, ctx.world_size)  # warm-up: connections and buffers are set up on first use
+    dist.barrier()
+    if ctx.device.type != "cpu":
+        torch.accelerator.synchronize()
+    start = time.perf_counter()
+    for _ in range(args.iters):
+        work.copy_(data)
+        all_reduce(work, ctx.rank, ctx.world_size)
+    if ctx.device.type != "cpu":
+        torch.accelerator.synchronize()
+    elapsed = torch.tensor([(time.perf_counter() - start) / args.iters], device=ctx.device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item() * 1e3
 
 
 def sizes_ok(text):

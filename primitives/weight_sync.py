@@ -59,16 +59,13 @@ def main(args, ctx):
                 "needs at least 2 ranks (a trainer and a worker): run with --nproc_per_node=2 or more")
     ctx.require(args.layers >= 1 and args.width >= 1 and args.steps >= 1, "--layers, --width and --steps must be >= 1")
     ctx.require(args.bucket_mb > 0, "--bucket-mb must be positive")
-    rank, world, trainer = ctx.rank, ctx.world_size, 0
+    rank, trainer = ctx.rank, 0
     # Every rank calls new_group with the same list, even a rank that is not in it.
-    sync_group = dist.new_group([trainer, *range(1, world)])
-
+    sync_group = dist.new_group([trainer, *range(1, ctx.world_size)])
     model = make_model(args, seed=0 if rank == trainer else 1 + rank, device=ctx.device)  # workers start stale
-    replica = make_model(args, seed=0, device=ctx.device)  # for the check only
     model.requires_grad_(False)  # weights are written by communication, not by autograd
     params = list(model.parameters())
     buckets = buckets_of(params, int(args.bucket_mb * 2**20))
-
     flats = []
     if rank != trainer:  # re-point each worker parameter at a slice of a flat bucket, once
         for bucket in buckets:
@@ -79,11 +76,11 @@ def main(args, ctx):
                 offset += p.numel()
             flats.append(flat)
 
-    def per_parameter():
+    def per_parameter():  # one call, one latency, per tensor
         for p in params:
             dist.broadcast(p, src=trainer, group=sync_group)
 
-    def bucketed():
+    def bucketed():  # one call per bucket
         for i, bucket in enumerate(buckets):
             if rank == trainer:
                 flat = _flatten_dense_tensors(bucket)  # pack: the trainer's optimizer owns its tensors
@@ -91,42 +88,55 @@ def main(args, ctx):
             else:
                 dist.broadcast(flats[i], src=trainer, group=sync_group)  # lands in the parameters
 
-    def check(method, step):
-        for p, q in zip(params, replica.parameters()):  # compare the bytes, not the values
-            if not torch.equal(p.reshape(-1).view(torch.uint8), q.data.reshape(-1).view(torch.uint8)):
-                raise RuntimeError(f"rank {rank}: after {method} sync at step {step} a parameter of shape "
-                                   f"{tuple(p.shape)} differs from the trainer's")
+    times = train_sync_and_check(model, {"per-parameter": per_parameter, "bucketed": bucketed}, args, ctx, sync_group)
+    print_timings(times, params, buckets, args, ctx)
 
-    def timed(fn):
-        dist.barrier(group=sync_group)
-        if ctx.device.type != "cpu":
-            torch.accelerator.synchronize()
-        start = time.perf_counter()
-        fn()
-        if ctx.device.type != "cpu":
-            torch.accelerator.synchronize()
-        elapsed = torch.tensor([time.perf_counter() - start], device=ctx.device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=sync_group)  # done when the last rank has it
-        return elapsed.item()
 
-    times = {"per-parameter": [], "bucketed": []}
-    for step in range(args.steps + 1):  # step 0 is a warm-up, not timed
-        if rank == trainer:
+def train_sync_and_check(model, syncs, args, ctx, group, trainer=0):
+    """Each step: the trainer trains, each sync runs (timed) into workers whose weights were just set to
+    NaN, and every rank compares its weights with its replica. {sync: [seconds]}; step 0 is not timed."""
+    replica = make_model(args, seed=0, device=ctx.device)
+    times = {name: [] for name in syncs}
+    for step in range(args.steps + 1):
+        if ctx.rank == trainer:
             train_step(model, step)
         train_step(replica, step)
-        for name, fn in [("per-parameter", per_parameter), ("bucketed", bucketed)]:
-            if rank != trainer:
-                for p in params:
-                    p.fill_(float("nan"))  # forget: the next sync must deliver every value again
-            seconds = timed(fn)
-            check(name, step)
+        for name, sync in syncs.items():
+            if ctx.rank != trainer:
+                for p in model.parameters():
+                    p.fill_(float("nan"))  # forget: the sync must deliver every value again
+            seconds = slowest_rank_seconds(sync, ctx, group)
+            check_equals_replica(model, replica, name, step, ctx.rank)
             if step:
                 times[name].append(seconds)
+    return times
 
+
+def slowest_rank_seconds(fn, ctx, group):
+    dist.barrier(group=group)
+    if ctx.device.type != "cpu":
+        torch.accelerator.synchronize()
+    start = time.perf_counter()
+    fn()
+    if ctx.device.type != "cpu":
+        torch.accelerator.synchronize()
+    elapsed = torch.tensor([time.perf_counter() - start], device=ctx.device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)  # done when the last rank has it
+    return elapsed.item()
+
+
+def check_equals_replica(model, replica, method, step, rank):
+    for p, q in zip(model.parameters(), replica.parameters()):  # compare the bytes, not the values
+        if not torch.equal(p.reshape(-1).view(torch.uint8), q.data.reshape(-1).view(torch.uint8)):
+            raise RuntimeError(f"rank {rank}: after {method} sync at step {step} a parameter of shape "
+                               f"{tuple(p.shape)} differs from the trainer's")
+
+
+def print_timings(times, params, buckets, args, ctx):
     nbytes = sum(p.numel() * p.element_size() for p in params)
     per, buck = (sum(times[k]) / args.steps * 1e3 for k in ("per-parameter", "bucketed"))
     print0(f"model: {len(params)} tensors, {nbytes / 2**20:.2f} MiB of {args.dtype}; {len(buckets)} bucket(s) "
-           f"of at most {args.bucket_mb:g} MiB; trainer rank {trainer} -> {world - 1} worker(s)")
+           f"of at most {args.bucket_mb:g} MiB; trainer rank 0 -> {ctx.world_size - 1} worker(s)")
     print0(f"per-parameter broadcast: {per:8.3f} ms per sync ({len(params)} calls)")
     print0(f"bucketed broadcast:      {buck:8.3f} ms per sync ({len(buckets)} calls)")
     print0(f"speed-up of bucketed over per-parameter: {per / buck:.2f}x (mean of {args.steps} steps)")

@@ -131,7 +131,8 @@ def main(args, ctx):
     spread = max(trained.values()) - min(trained.values()) if trained else 0.0
     if spread > args.tol:
         raise RuntimeError(f"ddp, fsdp and tp should train the same model, but their losses differ: {trained}")
-    print0(f"\nOK: measured {', '.join(args.modes)} on {n} rank(s); "
+    print0("")
+    print0(f"OK: measured {', '.join(args.modes)} on {n} rank(s); "
            f"{', '.join(trained)} ended at the same loss (spread {spread:.1e})")
 
 

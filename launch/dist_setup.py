@@ -76,7 +76,7 @@ def lesson_parser(doc, default_nproc=None, min_ranks=1):
 
 def test_flags(parser):
     """The argument group for flags that exist so the tests can make one of the lesson's checks fail
-    (e.g. --skip-average): apart from the lesson's own options, and marked as such in --help."""
+    (e.g. --no-average): apart from the lesson's own options, and marked as such in --help."""
     return parser.add_argument_group("for the tests only (each flag breaks one step on purpose, "
                                      "to show that a check fails)")
 

@@ -15,10 +15,12 @@ Each run gets a free port on 127.0.0.1, so runs never collide; a run that outliv
 its time limit is killed with all its processes and the test fails with its output.
 """
 import os
+import resource
 import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,17 +65,22 @@ def lesson_env(extra=None):
     return env
 
 
-def log_launch(kind, command):
-    """With TEST_LAUNCH_LOG=file, every launch of the suite appends one line there (to count them)."""
+def log_launch(kind, command, wall_s, cpu_s):
+    """With TEST_LAUNCH_LOG=file, every launch of the suite appends one line there (to count them and
+    see where the suite's time goes): kind, wall seconds, CPU seconds of its processes, command."""
     if os.environ.get("TEST_LAUNCH_LOG"):
         with open(os.environ["TEST_LAUNCH_LOG"], "a") as f:
-            f.write(f"{kind} {' '.join(map(str, command))}\n")
+            f.write(f"{kind} {wall_s:.1f} {cpu_s:.1f} {' '.join(map(str, command))}\n")
+
+
+def _children_cpu_s():
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def run_command(command, timeout=120, env=None, cwd=ROOT):
     """Run command in its own session; on timeout kill the whole process group."""
-    log_launch("python" if "--nproc" in map(str, command) else
-               "torchrun" if "torch.distributed.run" in map(str, command) else "other", command)
+    start, cpu = time.monotonic(), _children_cpu_s()
     proc = subprocess.Popen([str(c) for c in command], cwd=cwd, env=lesson_env(env), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
@@ -83,6 +90,9 @@ def run_command(command, timeout=120, env=None, cwd=ROOT):
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         timed_out = True
+    log_launch("python" if "--nproc" in map(str, command) else
+               "torchrun" if "torch.distributed.run" in map(str, command) else "other", command,
+               time.monotonic() - start, _children_cpu_s() - cpu)  # CPU of the processes it waited for
     return Result([str(c) for c in command], proc.returncode, out, err, timed_out)
 
 
@@ -99,9 +109,12 @@ def run_lesson(lesson, *args, nproc=2, launcher="torchrun", timeout=120, env=Non
         launcher = "torchrun"
     if launcher == "warm":
         import warm_launcher  # tests/ is on sys.path (conftest.py)
-        log_launch("warm", [lesson, f"--nproc_per_node={nproc}", *args])
-        return Result(*warm_launcher.run(ROOT / lesson, args, nproc=nproc, env=lesson_env(env), cwd=ROOT,
-                                         timeout=timeout))
+        start = time.monotonic()
+        result = Result(*warm_launcher.run(ROOT / lesson, args, nproc=nproc, env=lesson_env(env), cwd=ROOT,
+                                           timeout=timeout))
+        log_launch("warm", [lesson, f"--nproc_per_node={nproc}", *args], time.monotonic() - start,
+                   warm_launcher.last_cpu_s or 0.0)  # the ranks' CPU
+        return result
     if launcher == "torchrun":
         command = torchrun_command(lesson, nproc, args)
     elif launcher == "python":

@@ -24,7 +24,7 @@ def pytest_addoption(parser):
                           "from 1 to the number of GPUs, and with Gloo on CUDA tensors at 2 ranks (tests/test_gpu.py)")
 
 
-# Tests that share a module-scoped run (or one Slurm cluster, or network namespaces) stay on one
+# Tests that share a session-scoped run (or one Slurm cluster, or network namespaces) stay on one
 # pytest-xdist worker (--dist loadgroup in pyproject.toml), so that run is made once.
 SHARED_FIXTURES = ("whole_run", "checkpoint_2_ranks", "print_env_3", "slurm")
 

@@ -53,7 +53,7 @@ CHECKS = {"manual_data_parallel.py": check_manual, "ddp_minimal.py": check_minim
 # (name, ranks, launcher): each lesson once under real torchrun (ddp_checkpoint's is the fixture below),
 # the other sizes through the harness's warm launcher (torchrun's environment, ranks forked)
 QUICK = [pytest.mark.quick]
-TORCHRUN = [pytest.param("manual_data_parallel.py", 2, "warm", marks=QUICK), ("manual_data_parallel.py", 3, "torchrun"),
+TORCHRUN = [pytest.param("manual_data_parallel.py", 2, "torchrun", marks=QUICK), ("manual_data_parallel.py", 3, "warm"),
             ("ddp_minimal.py", 2, "torchrun"), pytest.param("ddp_minimal.py", 3, "warm", marks=QUICK),
             pytest.param("ddp_checkpoint.py", 3, "warm", marks=QUICK)]
 
@@ -71,7 +71,7 @@ def test_torchrun(name, nproc, launcher, tmp_path):
         assert "evaluation on rank 0 only: its all_reduce waited for ranks that never came" in result.stdout
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session, not module: kept while the worker runs other modules
 def checkpoint_2_ranks(tmp_path_factory):
     """ddp_checkpoint's default demonstration at 2 ranks, run once for the tests that compare with it."""
     out = tmp_path_factory.mktemp("ddp_checkpoint")
@@ -98,7 +98,7 @@ def test_python_launcher(name, nproc):
 
 def test_check_fails_without_gradient_averaging():
     """The equality checks are not vacuous: skip the all_reduce and both of them fail."""
-    result = run_lesson("ddp_basics/manual_data_parallel.py", "--no-average", nproc=2, launcher="python",
+    result = run_lesson("ddp_basics/manual_data_parallel.py", "--no-average", nproc=2, launcher="warm",
                         timeout=TIMEOUT)
     assert_fails(result, "params differ from single-process training")
     assert "ranks hold different params" in result.output, result
@@ -111,7 +111,7 @@ def test_minimal_checks_fail_when_ranks_disagree():
     they differ from one process and across ranks, and so does each rank's own score of the held-out set
     (the metric spread was once computed from all_reduced values, which made it 0 whatever the ranks held)."""
     result = run_lesson("ddp_basics/ddp_minimal.py", "--corrupt-for-testing", "--epochs", "1", nproc=2,
-                        launcher="python", timeout=TIMEOUT)
+                        launcher="warm", timeout=TIMEOUT)
     assert_fails(result, "DDP training differs from single-process training")
     spreads = re.search(r"spread across ranks: params (\S+), metric (\S+);", result.stdout)
     assert spreads and float(spreads.group(1)) > 0 and float(spreads.group(2)) > 0, result

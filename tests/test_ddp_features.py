@@ -1,5 +1,5 @@
-"""The DDP feature lessons of ddp_basics/ (issue 5, second half): each under torchrun at 2 and 3
-ranks, a few started with `python lesson.py --nproc N`, figures from the output
+"""The DDP feature lessons of ddp_basics/ (issue 5, second half): each under real torchrun at 2 ranks,
+under the warm launcher at 3, and once as `python lesson.py --nproc 2`; figures from the output
 checked, and bad starts that must fail cleanly."""
 import re
 
@@ -19,7 +19,7 @@ LESSONS = {  # lesson -> world sizes it runs at under torchrun
     "dataparallel_vs_ddp.py": (2, 3),
     "benchmark_ddp.py": (2, 3),
 }
-PYTHON_NPROC = {"ddp_grad_accumulation.py": 3, "ddp_uneven_inputs.py": 2, "benchmark_ddp.py": 2}
+PYTHON_NPROC = {name: 2 for name in LESSONS}  # every lesson once as `python lesson.py --nproc 2`
 
 
 def check_output(name, nproc, result):
@@ -58,11 +58,11 @@ def check_output(name, nproc, result):
         assert all(float(ms) > 0 for _, ms, _, _ in rows), out
 
 
-# Real torchrun at 3 ranks; at 2 the harness's warm launcher (torchrun's environment, ranks forked).
+# Real torchrun at 2 ranks; at 3 the harness's warm launcher (torchrun's environment, ranks forked).
 @pytest.mark.parametrize("name,nproc", [pytest.param(n, k, marks=[pytest.mark.quick] * (k == 2))
                                         for n, sizes in LESSONS.items() for k in sizes])
 def test_torchrun(name, nproc):
-    result = run_lesson(f"ddp_basics/{name}", nproc=nproc, launcher="torchrun" if nproc == 3 else "warm",
+    result = run_lesson(f"ddp_basics/{name}", nproc=nproc, launcher="torchrun" if nproc == 2 else "warm",
                         timeout=TIMEOUT)
     assert_ok(result)
     check_output(name, nproc, result)
@@ -76,17 +76,18 @@ def test_python_launcher(name, nproc):
 
 
 def test_uneven_inputs_needs_two_ranks():
-    assert_fails(run_lesson("ddp_basics/ddp_uneven_inputs.py", nproc=1, timeout=TIMEOUT),
+    assert_fails(run_lesson("ddp_basics/ddp_uneven_inputs.py", nproc=1, launcher="warm", timeout=TIMEOUT),
                  "needs at least 2 ranks", within=1)
 
 
 def test_benchmark_batch_must_divide():
-    assert_fails(run_lesson("ddp_basics/benchmark_ddp.py", "--batch", "100", nproc=3, timeout=TIMEOUT),
+    assert_fails(run_lesson("ddp_basics/benchmark_ddp.py", "--batch", "100", nproc=3, launcher="warm", timeout=TIMEOUT),
                  "must divide by 3 ranks", within=3)
 
 
 def test_unused_parameters_batch_must_divide():
-    assert_fails(run_lesson("ddp_basics/ddp_unused_parameters.py", "--batch", "10", nproc=3, timeout=TIMEOUT),
+    assert_fails(run_lesson("ddp_basics/ddp_unused_parameters.py", "--batch", "10", nproc=3, launcher="warm",
+                            timeout=TIMEOUT),
                  "must divide by 3 ranks", within=3)
 
 

@@ -102,7 +102,7 @@ def test_checkpoint_reshard_and_crash(tmp_path):
 
 @pytest.mark.parametrize("name", ["zero_by_hand.py", "fsdp_minimal.py", "fsdp_offload.py"])
 def test_batch_must_divide(name):
-    assert_fails(run_lesson(f"fsdp_basics/{name}", "--batch", "49", nproc=2, launcher="python",
+    assert_fails(run_lesson(f"fsdp_basics/{name}", "--batch", "49", nproc=2, launcher="warm",
                             timeout=TIMEOUT), "must divide by 2 ranks", within=2)
 
 

@@ -21,7 +21,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 SHARED_STORE_OFF = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # see launch/elastic.py
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session, not module: kept while the worker runs other modules
 def print_env_3():
     return run_lesson("launch/print_env.py", nproc=3, timeout=TIMEOUT)
 

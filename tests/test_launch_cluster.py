@@ -38,7 +38,7 @@ def stop(pid_file):
         pass
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session, not module: kept while the worker runs other modules
 def slurm(tmp_path_factory):
     """Start munged, slurmctld and slurmd on free ports; yield the environment for sbatch."""
     if not IS_ROOT:

@@ -279,7 +279,7 @@ def check_commands(commands):
 COMMANDS = readme_commands()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session, not module: kept while the worker runs other modules
 def checked():
     return [c["result"] for c in check_commands([dict(c) for c in COMMANDS])]
 

@@ -29,6 +29,7 @@ def pytest_addoption(parser):
 SHARED_FIXTURES = ("whole_run", "checkpoint_2_ranks", "print_env_3", "slurm")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the marks into the test ids
 def pytest_collection_modifyitems(config, items):
     for item in items:
         shared = [f for f in SHARED_FIXTURES if f in getattr(item, "fixturenames", ())]
@@ -36,3 +37,6 @@ def pytest_collection_modifyitems(config, items):
             shared = [item.module.__name__]
         if shared:
             item.add_marker(pytest.mark.xdist_group(shared[0]))
+    # A group runs on one worker, one test after another: start the groups first, so that the longest of
+    # them (train.py's runs, a few minutes) does not begin near the end and keep one worker busy alone.
+    items.sort(key=lambda item: not any(item.iter_markers("xdist_group")))

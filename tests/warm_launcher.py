@@ -447,7 +447,11 @@ def run(script, args=(), nproc=2, env=None, cwd=None, timeout=120):
             if server is None or not server.alive():
                 while len(_servers) >= MAX_SERVERS:  # drop the least recently used
                     _servers.pop(next(iter(_servers))).close()
+                started = time.monotonic()
                 server = Server(env, cwd)
+                if os.environ.get("TEST_LAUNCH_LOG"):  # to count server starts (each imports PRELOAD)
+                    with open(os.environ["TEST_LAUNCH_LOG"], "a") as f:
+                        f.write(f"warm-server {time.monotonic() - started:.1f} 0.0 {' '.join(f'{k}={v}' for k, v in key)}\n")
             _servers[key] = server  # most recently used last
             try:
                 port, *result = server.run(script, args, nproc, env, cwd, timeout)

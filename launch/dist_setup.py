@@ -155,10 +155,15 @@ def _spawned(local_rank, main, args, nproc, port, init):
         sys.exit(code)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def reserve_port():
+    """A socket bound to a free port of 127.0.0.1, not listening. Keep it open until the ranks have started:
+    while it is bound the OS hands that port to no other process (a port picked and released at once can
+    be taken by another program before rank 0 listens on it, seconds later: EADDRINUSE). Rank 0's store
+    can still bind it, because both sockets set SO_REUSEADDR (torch's TCPStore does)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
 
 
 def default_nproc(args):
@@ -182,9 +187,10 @@ def run(main, args, init_process_group=True):
     nproc = args.nproc if args.nproc is not None else default_nproc(args)
     if nproc < 1:
         sys.exit(f"error: --nproc must be at least 1, got {nproc}")
-    port = int(os.environ.get("MASTER_PORT") or free_port())
+    held = None if os.environ.get("MASTER_PORT") else reserve_port()
+    port = int(os.environ["MASTER_PORT"]) if held is None else held.getsockname()[1]
     with socket.socket() as s:  # a named port that is taken fails here, not in a rank
-        if s.connect_ex(("127.0.0.1", port)) == 0:
+        if held is None and s.connect_ex(("127.0.0.1", port)) == 0:
             sys.exit(f"error: port {port} on 127.0.0.1 is in use: unset MASTER_PORT or pick a free one")
     try:
         # forkserver, not spawn: one server process imports the lesson (and torch) once, and each rank
@@ -196,6 +202,9 @@ def run(main, args, init_process_group=True):
         sys.exit(error.exit_code if error.exit_code and error.exit_code > 0 else 1)
     except mp.ProcessRaisedException as error:  # a bug: show the rank's traceback once
         sys.exit(f"{error}")
+    finally:
+        if held is not None:
+            held.close()
 
 
 def _rank():

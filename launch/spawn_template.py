@@ -86,10 +86,10 @@ def main():
     args = parser.parse_args()
     if args.nproc < 1:
         sys.exit("error: --nproc must be at least 1")
-    with socket.socket() as s:
+    with socket.socket() as s:  # a free port, held until the ranks have ended (see dist_setup.reserve_port)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    code = (with_spawn if args.method == "spawn" else with_process)(args, port)
+        code = (with_spawn if args.method == "spawn" else with_process)(args, s.getsockname()[1])
     if code == 0:
         print(f"OK: {args.nproc} rank(s) started with {args.method}, joined, all exit codes 0")
     sys.exit(code)

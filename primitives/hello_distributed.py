@@ -103,13 +103,15 @@ def main():
     if "RANK" in os.environ:  # started by torchrun: this process is one rank
         worker(args)
         return
-    with socket.socket() as s:  # a free port on loopback for the rendezvous
+    # A free port on loopback for the rendezvous, held (bound, not listening) while the ranks start: the OS
+    # gives it to no other process meanwhile, and rank 0's store can still bind it (both set SO_REUSEADDR).
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    try:
-        mp.spawn(spawned, args=(args, args.nproc, port), nprocs=args.nproc)
-    except mp.ProcessExitedException as error:  # the rank already printed why
-        sys.exit(error.exit_code if error.exit_code and error.exit_code > 0 else 1)
+        try:
+            mp.spawn(spawned, args=(args, args.nproc, s.getsockname()[1]), nprocs=args.nproc)
+        except mp.ProcessExitedException as error:  # the rank already printed why
+            sys.exit(error.exit_code if error.exit_code and error.exit_code > 0 else 1)
 
 
 if __name__ == "__main__":

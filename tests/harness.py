@@ -48,9 +48,22 @@ class Result:
         return f"$ {' '.join(self.command)}\n({state})\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+_held = []  # the sockets that hold the ports handed out, open for the life of this test process
+
+
+def free_port(hold=True):
+    """A free port of 127.0.0.1. hold=True keeps a socket bound to it (not listening, SO_REUSEADDR) for
+    the life of this process: the OS then hands the port to no other process (bind to port 0, or the local
+    end of a connection), so nothing can take it before the launched job listens on it, seconds later
+    (torch's TCPStore sets SO_REUSEADDR too, so it can bind the port all the same). hold=False for
+    programs that do not set SO_REUSEADDR."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    if hold:
+        _held.append(s)
+        return s.getsockname()[1]
+    with s:
         return s.getsockname()[1]
 
 

@@ -56,8 +56,8 @@ def slurm(tmp_path_factory):
     conf = d / "slurm.conf"
     conf.write_text(f"""ClusterName=tutorial
 SlurmctldHost={host}
-SlurmctldPort={free_port()}
-SlurmdPort={free_port()}
+SlurmctldPort={free_port(hold=False)}
+SlurmdPort={free_port(hold=False)}
 AuthType=auth/munge
 AuthInfo=socket={d}/munge.socket
 CredType=cred/munge

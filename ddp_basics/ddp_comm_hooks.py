@@ -1,7 +1,10 @@
 """DDP communication hooks: compress the gradients before DDP all_reduces them.
 
-A comm hook replaces what DDP does with each gradient bucket (by default: all_reduce, then
-divide by the world size). The built-in ones trade precision for bytes on the wire:
+A comm hook replaces what DDP does with each gradient bucket. By default DDP divides the
+gradients by the world size first (while copying them into the bucket: reducer.cpp), then
+all_reduces the bucket with SUM; the built-in allreduce_hook does the same, dividing first "to
+avoid overflow, especially for FP16" (torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py,
+torch 2.13). The built-in compression hooks trade precision for bytes on the wire:
   fp16_compress_hook / bf16_compress_hook   send 16-bit gradients (half the bytes);
   PowerSGD                                  sends two thin matrices P, Q per weight matrix
                                             (a rank-r approximation), with error feedback.

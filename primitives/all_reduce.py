@@ -6,7 +6,8 @@ element by element. Each ReduceOp below is checked against numpy on the full dat
   AVG                      floating point only (Gloo and NCCL)
   BAND, BOR, BXOR          integers, bitwise and/or/xor: Gloo only (NCCL has no bitwise op:
                            its op table in ProcessGroupNCCL.cpp is MIN, MAX, SUM, PRODUCT, AVG)
-  PREMUL_SUM               NCCL only: sum of factor * x_r, fused (used to scale gradients)
+  PREMUL_SUM(factor)       sum of factor * x_r, the scaling fused into the reduction (used to
+                           average gradients): NCCL (2.11+) and XCCL; Gloo refuses it
 
     torchrun --nproc_per_node=4 primitives/all_reduce.py
     python primitives/all_reduce.py --nproc 3
@@ -53,20 +54,30 @@ def main(args, ctx):
             raise RuntimeError(f"all_reduce {name} gave {t.tolist()}, numpy gives {expected.tolist()}")
         done.append(name)
 
-    # PREMUL_SUM multiplies each input by a factor before summing; only NCCL implements it.
-    if ctx.backend == "nccl":
-        factor = 1.0 / world
-        t = 100.0 * rank + torch.arange(n, dtype=torch.float32, device=ctx.device)
-        dist.all_reduce(t, op=dist._make_nccl_premul_sum(factor))  # private helper: NCCL only
-        expected = factor * np.stack([100.0 * r + i for r in range(world)]).sum(0)
-        if not np.allclose(t.cpu().numpy(), expected):
-            raise RuntimeError(f"PREMUL_SUM gave {t.tolist()}, expected {expected.tolist()}")
+    # PREMUL_SUM multiplies each input by a factor, then sums. torch 2.13 makes it with the public
+    # ReduceOp.PREMUL_SUM(factor), a float or a one-element tensor (ReduceOp's docstring); releases
+    # before pytorch PR #172216 (Jan 2026) had only the private dist._make_nccl_premul_sum(factor).
+    premul_sum = dist.ReduceOp.PREMUL_SUM if callable(dist.ReduceOp.PREMUL_SUM) else dist._make_nccl_premul_sum
+    factor = 1.0 / world
+    t = 100.0 * rank + torch.arange(n, dtype=torch.float32, device=ctx.device)
+    try:
+        dist.all_reduce(t, op=premul_sum(factor))
+    except RuntimeError as e:  # Gloo: "Cannot use ReduceOp.PREMUL_SUM with Gloo", raised on every rank
+        if ctx.backend == "nccl" or "PREMUL_SUM" not in str(e):
+            raise
+        print0(f"PREMUL_SUM: {ctx.backend} refuses it ({str(e).splitlines()[0]}); NCCL and XCCL have it")
+    else:
+        check_premul_sum(t, factor, world, i)
         print_in_order(f"PREMUL_SUM(1/{world}) after {t.tolist()}")
         done.append("PREMUL_SUM")
-    else:
-        print0(f"PREMUL_SUM: skipped, {ctx.backend} does not implement it (NCCL only)")
 
     print0(f"OK: all_reduce with {', '.join(done)} over {world} rank(s) matches numpy on every rank")
+
+
+def check_premul_sum(t, factor, world, i):
+    expected = factor * np.stack([100.0 * r + i for r in range(world)]).sum(0)
+    if not np.allclose(t.cpu().numpy(), expected):
+        raise RuntimeError(f"PREMUL_SUM gave {t.tolist()}, expected {expected.tolist()}")
 
 
 if __name__ == "__main__":

@@ -9,9 +9,13 @@ import functools
 import torch
 import torch.distributed as dist
 
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single; older names kept working.
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (1.13-2.12) to *_single; the old names
+# still work there but emit a FutureWarning (deprecated: distributed_c10d.py).
 ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch 2.13: ReduceOp.PREMUL_SUM(factor) makes the op (public since pytorch PR #172216); before, only the
+# private dist._make_nccl_premul_sum(factor) did.
+PREMUL_SUM = dist.ReduceOp.PREMUL_SUM if callable(dist.ReduceOp.PREMUL_SUM) else dist._make_nccl_premul_sum
 
 
 def expect(tensor, value, what=""):
@@ -186,8 +190,7 @@ def reduce_op_calls(rank, n, dev):
         ("ReduceOp.BAND (int32)", lambda: R.BAND, band, torch.int32),
         ("ReduceOp.BOR (int32)", lambda: R.BOR, bor, torch.int32),
         ("ReduceOp.BXOR (int32)", lambda: R.BXOR, bxor, torch.int32),
-        ("ReduceOp.PREMUL_SUM (x2, made by dist._make_nccl_premul_sum)",
-         lambda: dist._make_nccl_premul_sum(2.0), 2 * total, torch.float32),
+        ("ReduceOp.PREMUL_SUM(2.0)", lambda: PREMUL_SUM(2.0), 2 * total, torch.float32),
     ]
 
     def probe(g, make_op, value, dtype):

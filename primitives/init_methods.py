@@ -80,6 +80,8 @@ def remove_store_file(args, rank):
 
 
 def main(args, ctx):
+    # Up to four inits in one process, only to compare the methods: the docs call re-init "unsupported/untested"
+    # (distributed.html#reinitialization), so each group is destroyed after a barrier and the next uses a fresh store.
     methods = METHODS if args.init_method == "all" else [args.init_method]
     expected = (ctx.world_size * (ctx.world_size - 1) // 2, [r * r for r in range(ctx.world_size)])
     for method in methods:

@@ -3,7 +3,8 @@
 This is the pipeline-parallel pattern: a stage receives activations from the stage
 before it, computes, and sends the result on. A receiver must allocate its buffer
 first (same shape and dtype as what is sent): recv fills a tensor, it does not create one.
-Then: `tag` to label messages, and `recv` with no `src` (from any source, Gloo only).
+Then: `tag` to label messages, and `recv` with no `src` (from any source: Gloo and MPI implement it,
+NCCL does not, its recvAnysource is under "Unsupported Ops" in ProcessGroupNCCL.hpp, torch 2.13).
 
     torchrun --nproc_per_node=3 primitives/point_to_point.py
     python primitives/point_to_point.py --nproc 4
@@ -71,7 +72,7 @@ def main(args, ctx):
         print0(f"tags: skipped on {ctx.backend} (it ignores tags; order of sends is the order of recvs)")
 
     # 3. recv with no src: take messages in whatever order they come; recv returns the sender.
-    if ctx.backend == "gloo":
+    if ctx.backend == "gloo":  # and MPI (not a backend the lessons run); NCCL has no recv from any source
         if rank == 0:
             senders = []
             for _ in range(world - 1):
@@ -86,7 +87,7 @@ def main(args, ctx):
         else:
             dist.send(torch.tensor([100.0 * rank], device=ctx.device), dst=0)
     else:
-        print0(f"recv from any source: skipped on {ctx.backend} (Gloo only)")
+        print0(f"recv from any source: skipped on {ctx.backend} (Gloo and MPI have it, NCCL does not)")
 
     dist.barrier()
     print0(f"OK: send/recv chain through {world} stages matches plain torch; tags matched; "

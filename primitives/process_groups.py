@@ -1,8 +1,12 @@
 """Process groups: collectives among a subset of the ranks.
 
-- new_group(ranks): EVERY rank must call it, for every group, in the same order, even
-  the ranks that are not members (creating a group is itself collective). A non-member
-  gets a placeholder: get_rank(group) is -1, and a collective on it does nothing (it warns).
+- new_group(ranks): by default EVERY rank must call it, for every group, in the same order,
+  even the ranks that are not members: a process names its groups by counting its new_group
+  calls, so the counts must agree (and NCCL with device_id splits the world's communicator, a
+  collective call). With use_local_synchronization=True a group is named by a hash of its ranks
+  and only its members call new_group (its docstring and code, torch 2.13; not with MPI; groups
+  that overlap must still be created in one global order, or it can deadlock). By default a
+  non-member gets a placeholder: get_rank(group) is -1, and a collective on it does nothing (it warns).
 - Two halves of the world each sum their own data; then everyone learns both results
   through one MAX all_reduce over the world (a slot per group, -inf elsewhere). With SUM
   instead, each slot would come out multiplied by the group size: every member adds it.

@@ -218,3 +218,12 @@ def test_server_is_single_threaded_and_restarts_after_it_died(tmp_path):
         server.proc.wait()
     result = run_lesson(path, nproc=1, launcher="warm")
     assert result.returncode == 0 and result.stdout == "hello\n", result
+
+
+def test_a_deprecated_call_fails_the_run():
+    """A lesson that calls something deprecated (here all_gather_into_tensor, renamed in torch 2.13) prints
+    its OK line, and assert_ok fails it all the same: the next rename shows up in the suite at once."""
+    result = run_lesson("tests/fixtures/deprecated_call.py", nproc=1, launcher="warm")
+    assert result.returncode == 0 and "OK: gathered [1.0]" in result.stdout, result
+    with pytest.raises(AssertionError, match="uses something deprecated in this torch: .*all_gather_into_tensor"):
+        assert_ok(result)

@@ -191,7 +191,7 @@ def test_legacy_torch_distributed_launch(use_env):
     command = [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node=2", "--master_addr=127.0.0.1",
                f"--master_port={free_port()}", *(["--use-env"] if use_env else []), "launch/legacy_launch.py"]
     result = run_command(command, timeout=TIMEOUT)
-    ok = assert_ok(result)
+    ok = assert_ok(result, deprecated_on_purpose=r"FutureWarning: The module torch.distributed.launch is deprecated")
     source = "environment LOCAL_RANK" if use_env else "argument --local-rank"
     assert f"OK: 2 rank(s) found their local rank from the {source}" in ok, ok
     for r in range(2):

@@ -39,6 +39,13 @@ def test_print_env_torchrun_one_node_three_ranks(print_env_3):
     assert f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port} " in shared.group(1), out
 
 
+def test_print_env_spawned_has_no_torchrun_variables():
+    """`python launch/print_env.py --nproc 2`, as its docstring shows: the ranks come from mp.spawn."""
+    result = run_lesson("launch/print_env.py", nproc=2, launcher="python", timeout=TIMEOUT)
+    ok = assert_ok(result)
+    assert ok.startswith("OK: 2 rank(s)") and "via torchrun" not in ok, ok
+
+
 def test_print_env_check_catches_an_inconsistent_launch():
     from launch.print_env import check  # the lesson's own checks, fed environments that do not add up
     good = [dict(RANK=str(r), LOCAL_RANK=str(r % 2), LOCAL_WORLD_SIZE="2", GROUP_RANK=str(r // 2),

@@ -56,9 +56,9 @@ def test_weight_sync_needs_a_worker():
 
 
 # backend_matrix.py: only what runs here is filled in.
-@pytest.mark.quick
-def test_backend_matrix():
-    result = run_lesson("primitives/backend_matrix.py", nproc=2, timeout=T)
+@pytest.mark.parametrize("launcher", [pytest.param("torchrun", marks=pytest.mark.quick), "python"])
+def test_backend_matrix(launcher):
+    result = run_lesson("primitives/backend_matrix.py", nproc=2, launcher=launcher, timeout=T)
     assert_ok(result)
     rows = {line.split("|")[1].strip().strip("`"): [c.strip() for c in line.split("|")[2:-1]]
             for line in result.stdout.splitlines() if line.startswith("| `")}
@@ -135,9 +135,10 @@ def test_debug_hangs_other_missing_rank_and_bad_rank():
 
 
 # gil_threads_vs_processes.py: runs, checks its work, prints the three timings.
-@pytest.mark.quick
-def test_gil_threads_vs_processes():
-    result = run_lesson("primitives/gil_threads_vs_processes.py", "--work", "200000", nproc=2, timeout=T)
+@pytest.mark.parametrize("launcher", [pytest.param("torchrun", marks=pytest.mark.quick), "python"])
+def test_gil_threads_vs_processes(launcher):
+    result = run_lesson("primitives/gil_threads_vs_processes.py", "--work", "200000", nproc=2, launcher=launcher,
+                        timeout=T)
     assert_ok(result)
     for label in ["serial, 1 thread:", "2 threads, 1 process:", "2 processes:"]:
         assert re.search(re.escape(label) + r"\s+[\d.]+s", result.stdout), label

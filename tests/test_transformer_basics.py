@@ -215,10 +215,17 @@ def test_train_2d_matches_unsharded_and_learns(tmp_path):
     assert (tmp_path / "model.pt").is_file() and (tmp_path / "checkpoint").is_dir()
 
 
-@pytest.mark.quick
-def test_benchmark_prints_a_table(tmp_path):
+def test_train_2d_python_launcher_one_row(tmp_path):
+    """`python train_2d.py --nproc 2`: a 1x2 mesh (tensor parallel only), the same step-0 check."""
+    result = run_lesson("transformer_basics/train_2d.py", *SMALL, "--n-layer", "1", "--out", tmp_path, nproc=2,
+                        launcher="python", timeout=TIMEOUT)
+    assert "1x2 mesh" in assert_ok(result)
+
+
+@pytest.mark.parametrize("launcher", [pytest.param("torchrun", marks=pytest.mark.quick), "python"])
+def test_benchmark_prints_a_table(launcher):
     result = run_lesson("transformer_basics/benchmark.py", "--steps", "3", "--warmup", "1", "--n-layer", "1",
-                        "--n-embd", "48", "--block-size", "32", nproc=2, timeout=TIMEOUT)
+                        "--n-embd", "48", "--block-size", "32", nproc=2, launcher=launcher, timeout=TIMEOUT)
     assert_ok(result)
     rows = re.findall(r"^\| (none|ddp|fsdp|tp) \| 2 \| ([\d,]+) \| ([\d.]+) \| ([\d.]+) \|", result.stdout, re.M)
     assert [r[0] for r in rows] == ["none", "ddp", "fsdp", "tp"]

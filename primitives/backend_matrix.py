@@ -8,7 +8,8 @@ table says which); "not available here": this machine cannot run the pair, and n
 Then a "Made with" line (torch, platform, ranks, GPUs) and an OK line with the counts.
 
 The calls run in child processes because a timed-out NCCL call cannot be caught: its watchdog
-tears the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, the default: see
+tears the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING: 3 is ProcessGroupNCCL's default, torchrun
+sets 1, and both end the process; see the README's "When it hangs" and
 https://pytorch.org/docs/stable/torch_nccl_environment_variables.html), and torchrun would then
 stop every rank. Each rank starts one child per column; the children form their own group, make
 the calls and agree on each outcome. If one hangs or crashes, the parents mark that call "no"

@@ -1,17 +1,22 @@
 """Weight sync for RL trainers: push a trainer's new weights to inference workers.
 
 In RLHF (PPO, GRPO) the trainer updates the policy and the inference engines that generate
-the next rollouts must get the new weights, every step. Rank 0 is the trainer; ranks 1..N-1
-are the workers; the trainer and the workers share a group made for this (in a real job the
-trainer is itself many FSDP ranks and only one of them joins this group with the engines).
-Two ways to send: one broadcast per parameter (one call, one latency per tensor), then a few
-flat buckets (one call per bucket). The workers' parameters are views into their buckets,
+the next rollouts must get the new weights, every step. Ranks 0..T-1 are the trainer (in a
+real job they are FSDP or DDP ranks; here each holds the whole model), ranks T..N-1 are the
+inference workers, and a group made for the sync holds trainer rank 0 and the workers only:
+the other trainer ranks are outside it and never wait on a weight update. Two ways to send:
+one broadcast per parameter (one call, one latency per tensor), then a few flat buckets (one
+call per bucket). The workers' parameters are views into their buckets,
 so a bucket lands straight in the parameters: no unpacking copy on the receiving side.
 After each step, every rank checks its weights bit for bit against a replica it computed
 itself from the same seeded steps (only for the check: a real worker cannot do that).
 
-    torchrun --nproc_per_node=3 primitives/weight_sync.py
+    torchrun --nproc_per_node=4 primitives/weight_sync.py --trainers 2     # rank 0 -> ranks 2, 3
+    torchrun --nproc_per_node=8 primitives/weight_sync.py --layers 24 --width 4096 --bucket-mb 256
+                      # 8 GPUs: one trainer GPU -> the other seven, 1.5 GiB of float32 per sync
     python primitives/weight_sync.py --nproc 4 --layers 24 --width 1024 --bucket-mb 64 --steps 5
+
+Two separately launched jobs (a trainer and an inference engine): weight_sync_two_jobs.py.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.broadcast
 """
@@ -20,7 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors
-from launch.dist_setup import lesson_parser, print0, run
+from torch.distributed.tensor import DTensor, distribute_tensor
+from launch.dist_setup import lesson_parser, print0, print_rank, run
 
 
 def make_model(args, seed, device):
@@ -35,10 +41,14 @@ def make_model(args, seed, device):
 
 @torch.no_grad()
 def train_step(model, step):
-    """A stand-in for an optimizer step: deterministic, so the check can recompute it."""
+    """A stand-in for an optimizer step: deterministic, so the check can recompute it. A sharded parameter
+    (a DTensor under FSDP, in weight_sync_two_jobs.py) gets its own slice of the same noise."""
     gen = torch.Generator().manual_seed(step)
     for p in model.parameters():
-        p.add_(torch.randn(p.shape, generator=gen).to(p), alpha=1e-3)
+        noise = torch.randn(p.shape, generator=gen).to(device=p.device, dtype=p.dtype)  # the full shape
+        if isinstance(p, DTensor):  # this rank's slice; src_data_rank=None: every rank has it, send nothing
+            noise = distribute_tensor(noise, p.device_mesh, p.placements, src_data_rank=None)
+        p.add_(noise, alpha=1e-3)
 
 
 def buckets_of(params, bucket_bytes):
@@ -54,27 +64,37 @@ def buckets_of(params, bucket_bytes):
     return buckets
 
 
+def bucket_views(buckets):
+    """Re-point each parameter at a slice of one flat tensor per bucket, once; return the flat tensors.
+    A bucket received into its flat tensor then lands straight in the parameters."""
+    flats = []
+    for bucket in buckets:
+        flat = _flatten_dense_tensors([p.data for p in bucket])  # one contiguous copy, at set-up
+        offset = 0
+        for p in bucket:
+            p.data = flat[offset:offset + p.numel()].view_as(p)  # the parameter is now a view of flat
+            offset += p.numel()
+        flats.append(flat)
+    return flats
+
+
 def main(args, ctx):
     ctx.require(ctx.world_size >= 2,
                 "needs at least 2 ranks (a trainer and a worker): run with --nproc_per_node=2 or more")
+    ctx.require(1 <= args.trainers < ctx.world_size,
+                f"--trainers must be from 1 to {ctx.world_size - 1}: at least one rank must be a worker")
     ctx.require(args.layers >= 1 and args.width >= 1 and args.steps >= 1, "--layers, --width and --steps must be >= 1")
     ctx.require(args.bucket_mb > 0, "--bucket-mb must be positive")
-    rank, trainer = ctx.rank, 0
+    rank, trainer, workers = ctx.rank, 0, list(range(args.trainers, ctx.world_size))
     # Every rank calls new_group with the same list, even a rank that is not in it.
-    sync_group = dist.new_group([trainer, *range(1, ctx.world_size)])
+    sync_group = dist.new_group([trainer, *workers])
+    if rank != trainer and rank not in workers:
+        return print_outside(sync_group, args, ctx)  # a trainer rank that goes on training
     model = make_model(args, seed=0 if rank == trainer else 1 + rank, device=ctx.device)  # workers start stale
     model.requires_grad_(False)  # weights are written by communication, not by autograd
     params = list(model.parameters())
     buckets = buckets_of(params, int(args.bucket_mb * 2**20))
-    flats = []
-    if rank != trainer:  # re-point each worker parameter at a slice of a flat bucket, once
-        for bucket in buckets:
-            flat = _flatten_dense_tensors([p.data for p in bucket])  # one contiguous copy, at set-up
-            offset = 0
-            for p in bucket:
-                p.data = flat[offset:offset + p.numel()].view_as(p)  # the parameter is now a view of flat
-                offset += p.numel()
-            flats.append(flat)
+    flats = bucket_views(buckets) if rank != trainer else []  # a worker's parameters become views of these
 
     def per_parameter():  # one call, one latency, per tensor
         for p in params:
@@ -90,6 +110,12 @@ def main(args, ctx):
 
     times = train_sync_and_check(model, {"per-parameter": per_parameter, "bucketed": bucketed}, args, ctx, sync_group)
     print_timings(times, params, buckets, args, ctx)
+
+
+def print_outside(sync_group, args, ctx):
+    if dist.get_rank(sync_group) != -1:  # -1: not a member (the docs of get_rank)
+        raise RuntimeError(f"rank {ctx.rank} is a member of the sync group and should not be")
+    print_rank("trainer rank outside the sync group: takes part in no weight update")
 
 
 def train_sync_and_check(model, syncs, args, ctx, group, trainer=0):
@@ -136,7 +162,8 @@ def print_timings(times, params, buckets, args, ctx):
     nbytes = sum(p.numel() * p.element_size() for p in params)
     per, buck = (sum(times[k]) / args.steps * 1e3 for k in ("per-parameter", "bucketed"))
     print0(f"model: {len(params)} tensors, {nbytes / 2**20:.2f} MiB of {args.dtype}; {len(buckets)} bucket(s) "
-           f"of at most {args.bucket_mb:g} MiB; trainer rank 0 -> {ctx.world_size - 1} worker(s)")
+           f"of at most {args.bucket_mb:g} MiB; trainer rank 0 -> {ctx.world_size - args.trainers} worker(s) "
+           f"(ranks {args.trainers}..{ctx.world_size - 1}); {args.trainers - 1} trainer rank(s) outside the group")
     print0(f"per-parameter broadcast: {per:8.3f} ms per sync ({len(params)} calls)")
     print0(f"bucketed broadcast:      {buck:8.3f} ms per sync ({len(buckets)} calls)")
     print0(f"speed-up of bucketed over per-parameter: {per / buck:.2f}x (mean of {args.steps} steps)")
@@ -146,6 +173,8 @@ def print_timings(times, params, buckets, args, ctx):
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__, min_ranks=2)
+    parser.add_argument("--trainers", type=int, default=1,
+                        help="ranks 0..T-1 train; only rank 0 of them joins the sync group (default 1)")
     parser.add_argument("--layers", type=int, default=8, help="LayerNorm+Linear pairs (4 tensors each)")
     parser.add_argument("--width", type=int, default=64, help="hidden size")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

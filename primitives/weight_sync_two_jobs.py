@@ -1,0 +1,200 @@
+"""Weight sync between two jobs: an FSDP trainer and an inference engine, launched separately.
+
+In an RLHF system the trainer and the inference engine (vLLM, SGLang, ...) are two programs,
+each with its own launcher and default process group. To push weights from one to the other
+they meet through a TCPStore that trainer rank 0 hosts, agree there on the model's layout,
+and make one more process group just for the update: trainer rank 0 is its rank 0, inference
+rank r its rank 1 + r; the other trainer ranks stay out. Each step the trainer ranks gather
+their FSDP shards a bucket of tensors at a time (`full_tensor()`: an all_gather among them),
+trainer rank 0 broadcasts the bucket, and it lands in the inference ranks' parameters (views
+of the bucket, see weight_sync.py). Each inference rank checks its weights bit for bit
+against a replica it computed itself (only for the check) and reports through the store.
+
+    # the trainer, 2 ranks (each holds half of every weight), hosts the store on --sync-port
+    torchrun --nproc_per_node=2 --master_port=29500 primitives/weight_sync_two_jobs.py --role trainer
+    # the inference engine, in a second terminal (either job may start first)
+    torchrun --nproc_per_node=3 --master_port=29501 primitives/weight_sync_two_jobs.py --role inference
+    # or: python primitives/weight_sync_two_jobs.py --role trainer --nproc 2 (and --role inference)
+
+On one GPU node give each job its own GPUs (CUDA_VISIBLE_DEVICES=0 and =1,...,7: NCCL takes no
+two ranks of one group on one GPU; the README has the 1 -> 7 recipe). On two hosts, give both
+jobs --sync-host set to the trainer host's address.
+
+Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.TCPStore
+      https://pytorch.org/docs/stable/distributed.tensor.html (full_tensor)
+"""
+import datetime
+import json
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from launch.dist_setup import lesson_parser, print0, print_in_order, run, test_flags
+from weight_sync import bucket_views, buckets_of, check_equals_replica, make_model, train_step
+
+
+def main(args, ctx):
+    check_flags(args, ctx)
+    trainer = args.role == "trainer"
+    timeout = datetime.timedelta(seconds=args.timeout)
+    model = make_model(args, seed=0 if trainer else 1 + ctx.rank, device=ctx.device).requires_grad_(False)
+    if trainer:  # FSDP2: each trainer rank keeps a 1/T slice of every tensor
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+
+    # 1. Meet: trainer rank 0 hosts a TCPStore, every rank of both jobs connects to it; the two sides
+    #    compare their models' layouts there, before a byte of weights moves.
+    listener, store = open_store(args, ctx, timeout)
+    n_inference = agree_on_layout(store, model, args, ctx, timeout)
+
+    # 2. The update group. Each job already has its default group (its own torchrun), so this one is made
+    #    from the backend class itself, on the shared store; only its members make it.
+    group = None
+    if not trainer or ctx.rank == 0:
+        backend = dist.ProcessGroupNCCL if ctx.backend == "nccl" else dist.ProcessGroupGloo
+        group = backend(dist.PrefixStore("weights", store), 1 + ctx.rank if not trainer else 0, 1 + n_inference,
+                        timeout)
+
+    # 3. Each step: train, then stream the weights bucket by bucket.
+    buckets = buckets_of(list(model.parameters()), int(args.bucket_mb * 2**20))
+    flats = [] if trainer else bucket_views(buckets)  # inference: the parameters are views of these
+    replica = None if trainer else make_model(args, seed=0, device=ctx.device)  # for the check only
+    seconds, wrong = [], None
+    for step in range(args.steps):
+        if trainer:
+            train_step(model, step)
+            start = time.perf_counter()
+            for bucket in buckets:
+                full = [p.full_tensor() for p in bucket]  # all trainer ranks: an all_gather per tensor
+                if group is not None:  # trainer rank 0 packs the bucket and sends it
+                    flat = torch.cat([t.reshape(-1) for t in full])
+                    if args.corrupt_for_testing and step == args.steps - 1:
+                        flat[0] += 1
+                    group.broadcast(flat, 0).wait()
+            if ctx.device.type != "cpu":
+                torch.accelerator.synchronize()  # the last bucket may still be on its way
+            seconds.append(time.perf_counter() - start)
+        else:
+            for flat in flats:
+                flat.fill_(float("nan"))  # forget: the sync must deliver every value again
+                group.broadcast(flat, 0).wait()  # lands in the parameters
+            train_step(replica, step)
+            try:  # keep receiving after a mismatch, so the trainer is never left waiting; report at the end
+                check_equals_replica(model, replica, "the two-job", step, ctx.rank)
+            except RuntimeError as error:
+                wrong = wrong or str(error)
+
+    report(store, group, seconds, wrong, n_inference, buckets, args, ctx, timeout)
+    if group is not None:
+        group.shutdown()  # not registered with torch.distributed, so destroy_process_group does not end it
+    if listener is not None:
+        listener.close()
+
+
+def check_flags(args, ctx):
+    ctx.require(args.layers >= 1 and args.width >= 1 and args.steps >= 1, "--layers, --width and --steps must be >= 1")
+    ctx.require(args.bucket_mb > 0, "--bucket-mb must be positive")
+    ctx.require(1 <= args.sync_port <= 65535, f"--sync-port must be from 1 to 65535, got {args.sync_port}")
+
+
+def open_store(args, ctx, timeout):
+    """Trainer rank 0 hosts the store on --sync-host:--sync-port; every other rank connects (retrying until
+    the timeout, so either job may start first)."""
+    listener = None
+    if args.role == "trainer" and ctx.rank == 0:
+        # TCPStore(is_master=True) listens on every interface whatever host it is given (`ss -ltn` shows
+        # *:PORT with torch 2.13); a socket bound here and handed over keeps it on --sync-host.
+        try:
+            listener = socket.create_server((args.sync_host, args.sync_port))
+        except OSError as error:
+            ctx.require(False, f"cannot listen on {args.sync_host}:{args.sync_port} ({error.strerror}): "
+                               "pick a free --sync-port, the same for both jobs")
+    try:
+        store = dist.TCPStore(args.sync_host, args.sync_port, is_master=listener is not None, timeout=timeout,
+                              wait_for_workers=False,
+                              master_listen_fd=listener.fileno() if listener is not None else None)
+    except dist.DistError:
+        ctx.require(False, f"no trainer listened on {args.sync_host}:{args.sync_port} within {args.timeout:g} s: "
+                           "start the trainer job (--role trainer) with the same --sync-host and --sync-port")
+    return listener, store
+
+
+def layout(model, args, ctx):
+    """What both jobs must agree on: every tensor's name, global shape and dtype, the buckets, the backend."""
+    tensors = [[name, list(p.shape), str(p.dtype).removeprefix("torch.")] for name, p in model.named_parameters()]
+    return {"backend": ctx.backend, "bucket_mb": args.bucket_mb, "tensors": tensors}
+
+
+def agree_on_layout(store, model, args, ctx, timeout):
+    mine, other = layout(model, args, ctx), "inference" if args.role == "trainer" else "trainer"
+    if ctx.rank == 0:  # json, not pickle: nothing read from the store is executed
+        store.set(f"{args.role}/layout", json.dumps(mine))
+        if args.role == "inference":
+            store.set("inference/ranks", str(ctx.world_size))
+    try:
+        store.wait([f"{other}/layout", "inference/ranks"], timeout)
+    except dist.DistError:
+        ctx.require(False, f"no {other} job joined on {args.sync_host}:{args.sync_port} within {args.timeout:g} s: "
+                           f"start it with --role {other} and the same --sync-port")
+    theirs, n_inference = json.loads(store.get(f"{other}/layout")), int(store.get("inference/ranks"))
+    store.set(f"read/{args.role}/{ctx.rank}", "1")
+    if args.role == "trainer" and ctx.rank == 0:  # the host stays up until every rank of both jobs has read
+        store.wait([f"read/trainer/{r}" for r in range(ctx.world_size)] +
+                   [f"read/inference/{r}" for r in range(n_inference)], timeout)
+    ctx.require(theirs == mine, f"the two jobs differ: {args.role} has {summary(mine)}, {other} has "
+                                f"{summary(theirs)}: start both with the same --layers, --width, --dtype, "
+                                "--bucket-mb and backend")
+    return n_inference
+
+
+def summary(got):
+    n = sum(torch.Size(shape).numel() for _, shape, _ in got["tensors"])
+    dtypes = "/".join(sorted({dtype for _, _, dtype in got["tensors"]}))
+    return f"{len(got['tensors'])} tensors of {n} elements ({dtypes}), {got['bucket_mb']:g} MiB, {got['backend']}"
+
+
+def report(store, group, seconds, wrong, n_inference, buckets, args, ctx, timeout):
+    """Inference ranks post their verdict; trainer rank 0 waits for all of them (a mismatch fails both jobs)."""
+    if args.role == "inference":
+        store.set(f"verdict/{ctx.rank}", wrong or "ok")
+        print_in_order(f"weights after step {args.steps - 1}: " + (wrong or "equal to the replica, bit for bit"))
+        if wrong:
+            raise RuntimeError(wrong)
+        print0(f"OK: inference job, {ctx.world_size} rank(s): after each of {args.steps} steps every rank's weights "
+               "equal the trainer's bit for bit")
+        return
+    if group is None:  # trainer ranks other than 0 only helped gather
+        return
+    store.wait([f"verdict/{r}" for r in range(n_inference)], timeout)
+    bad = [v for r in range(n_inference) if (v := store.get(f"verdict/{r}").decode()) != "ok"]
+    if bad:
+        raise RuntimeError(f"{len(bad)} inference rank(s) report a mismatch, first: {bad[0]}")
+    mib = sum(p.numel() * p.element_size() for b in buckets for p in b) / 2**20
+    timed = seconds[1:] or seconds  # step 0 also sets up the communicators, when there are more steps
+    ms = sum(timed) / len(timed) * 1e3
+    print0(f"trainer: {ctx.world_size} FSDP rank(s) -> {n_inference} inference rank(s), {len(buckets)} bucket(s), "
+           f"{mib:.2f} MiB per sync, {ms:.1f} ms per sync ({mib / 1024 / (ms / 1e3):.3f} GiB/s)")
+    print0(f"OK: trainer job: {args.steps} syncs streamed from {ctx.world_size} FSDP rank(s); all {n_inference} "
+           "inference rank(s) confirmed their weights bit for bit")
+
+
+if __name__ == "__main__":
+    parser = lesson_parser(__doc__)
+    parser.add_argument("--role", required=True, choices=["trainer", "inference"], help="which job this is")
+    parser.add_argument("--sync-host", default="127.0.0.1",
+                        help="address of trainer rank 0's store (default 127.0.0.1: this machine only)")
+    parser.add_argument("--sync-port", type=int, default=29600, help="its port, the same for both jobs")
+    parser.add_argument("--layers", type=int, default=8, help="LayerNorm+Linear pairs (4 tensors each)")
+    parser.add_argument("--width", type=int, default=64, help="hidden size")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--bucket-mb", type=float, default=1.0, help="largest bucket in MiB")
+    parser.add_argument("--steps", type=int, default=3, help="training steps, each followed by a sync")
+    test_flags(parser).add_argument("--corrupt-for-testing", action="store_true",
+                                    help="trainer: change one value of the last sync (the check must fail)")
+    run(main, parser.parse_args())

@@ -81,7 +81,8 @@ LESSONS = {
     "transformer_basics/benchmark.py": dict(min_ranks=1, gloo_cuda=True, divides=24,
                                            args=["--steps", "6", "--warmup", "2"]),
 }
-# Not here, with the reason: launch/spawn_template.py is a CPU/Gloo template that starts its own
+# Not here, with the reason: primitives/weight_sync_two_jobs.py runs as two jobs (test_weight_sync_two_jobs
+# below); launch/spawn_template.py is a CPU/Gloo template that starts its own
 # processes (no device choice); the shell scripts (multinode_local.sh, netns_two_hosts.sh,
 # slurm.sbatch) launch the lessons above in other ways and are covered by the CPU suite.
 
@@ -133,3 +134,25 @@ def test_lesson_on_gloo_with_cuda_tensors(gloo_case):
         assert "backend gloo, device cuda" in result.stdout, result
     else:
         assert_fails(result, "needs CPU tensors", within=2)
+
+
+def test_weight_sync_two_jobs(request):
+    """The trainer job on GPU 0 (or GPUs 0 and 1, FSDP) and the inference job on the others, over NCCL, each
+    job seeing only its own GPUs, as the lesson tells; on a 1-GPU machine both jobs share it through Gloo."""
+    reason = gpu_mode_reason(request.config)
+    if reason:
+        pytest.skip(reason)
+    from test_weight_sync import two_jobs
+    gpus = list(map(str, range(min(GPUS, MAX_WORLD))))
+    if len(gpus) == 1:
+        flags, trainers = ("--backend", "gloo", "--device", "cuda"), 1
+        envs, inference = ({"CUDA_VISIBLE_DEVICES": "0"},) * 2, 1
+    else:
+        flags, trainers = ("--backend", "nccl"), 2 if len(gpus) >= 4 else 1
+        envs = ({"CUDA_VISIBLE_DEVICES": ",".join(gpus[:trainers])},
+                {"CUDA_VISIBLE_DEVICES": ",".join(gpus[trainers:])})
+        inference = len(gpus) - trainers
+    trainer, engine = two_jobs(trainers, inference, trainer_args=flags, inference_args=flags, envs=envs,
+                               timeout=TIMEOUT)
+    assert f"all {inference} inference rank(s) confirmed" in assert_ok(trainer)
+    assert_ok(engine)

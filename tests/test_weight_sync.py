@@ -39,15 +39,16 @@ def test_weight_sync_needs_a_worker():
 
 
 def two_jobs(trainers, inference, launchers=("torchrun", "torchrun"), trainer_args=(), inference_args=(),
-             timeout=T):
+             envs=(None, None), timeout=T):
     """Start the trainer job and the inference job at the same time, as two users would in two terminals;
     return both results. Each job has its own launcher and MASTER_PORT; they share only --sync-port."""
     common = ("--sync-port", str(free_port()), "--timeout", "60")
     with ThreadPoolExecutor(2) as pool:
         jobs = [pool.submit(run_lesson, TWO, "--role", role, *common, *extra, nproc=nproc, launcher=launcher,
-                            timeout=timeout)
-                for role, nproc, launcher, extra in [("trainer", trainers, launchers[0], trainer_args),
-                                                     ("inference", inference, launchers[1], inference_args)]]
+                            env=env, timeout=timeout)
+                for role, nproc, launcher, extra, env in [
+                    ("trainer", trainers, launchers[0], trainer_args, envs[0]),
+                    ("inference", inference, launchers[1], inference_args, envs[1])]]
         return [job.result() for job in jobs]
 
 

@@ -144,9 +144,15 @@ def agree_on_layout(store, model, args, ctx, timeout):
                            f"start it with --role {other} and the same --sync-port")
     theirs, n_inference = json.loads(store.get(f"{other}/layout")), int(store.get("inference/ranks"))
     store.set(f"read/{args.role}/{ctx.rank}", "1")
-    if args.role == "trainer" and ctx.rank == 0:  # the host stays up until every rank of both jobs has read
-        store.wait([f"read/trainer/{r}" for r in range(ctx.world_size)] +
-                   [f"read/inference/{r}" for r in range(n_inference)], timeout)
+    if theirs != mine and args.role == "trainer":  # keep the store up while the others read; leave together
+        if ctx.rank == 0:
+            try:  # a rank that never reads (its launcher stopped it) holds this up 10 s at most
+                store.wait([f"read/trainer/{r}" for r in range(ctx.world_size)] +
+                           [f"read/inference/{r}" for r in range(n_inference)], datetime.timedelta(seconds=10))
+            except dist.DistError:
+                pass
+            store.set("read/all", "1")
+        store.wait(["read/all"], timeout)
     ctx.require(theirs == mine, f"the two jobs differ: {args.role} has {summary(mine)}, {other} has "
                                 f"{summary(theirs)}: start both with the same --layers, --width, --dtype, "
                                 "--bucket-mb and backend")

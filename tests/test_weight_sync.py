@@ -41,7 +41,10 @@ def test_weight_sync_needs_a_worker():
 def two_jobs(trainers, inference, launchers=("torchrun", "torchrun"), trainer_args=(), inference_args=(),
              envs=(None, None), timeout=T):
     """Start the trainer job and the inference job at the same time, as two users would in two terminals;
-    return both results. Each job has its own launcher and MASTER_PORT; they share only --sync-port."""
+    return both results. Each job has its own launcher and MASTER_PORT; they share only --sync-port. At most
+    one of the two may be "warm": the warm launcher runs one job at a time (a second would wait for the first,
+    which waits for it)."""
+    assert list(launchers).count("warm") <= 1
     common = ("--sync-port", str(free_port()), "--timeout", "60")
     with ThreadPoolExecutor(2) as pool:
         jobs = [pool.submit(run_lesson, TWO, "--role", role, *common, *extra, nproc=nproc, launcher=launcher,
@@ -53,10 +56,11 @@ def two_jobs(trainers, inference, launchers=("torchrun", "torchrun"), trainer_ar
 
 
 # The issue's sizes: 1 trainer + 2 and + 3 inference ranks; then an FSDP trainer of 2 ranks (the sharded case).
+# Each role runs once under real torchrun and once as python --nproc; the other jobs are warm.
 @pytest.mark.parametrize("trainers,inference,launchers", [
-    pytest.param(1, 2, ("torchrun", "torchrun"), marks=pytest.mark.quick),
+    pytest.param(1, 2, ("torchrun", "warm"), marks=pytest.mark.quick),
     (1, 3, ("python", "python")),
-    (2, 2, ("torchrun", "python")),
+    (2, 2, ("warm", "torchrun")),
 ])
 def test_two_jobs_stream_weights_bit_for_bit(trainers, inference, launchers):
     trainer, engine = two_jobs(trainers, inference, launchers, ("--layers", "3"), ("--layers", "3"))
@@ -69,14 +73,14 @@ def test_two_jobs_stream_weights_bit_for_bit(trainers, inference, launchers):
 
 
 def test_two_jobs_check_fails_when_a_value_is_wrong():
-    trainer, engine = two_jobs(1, 2, trainer_args=("--corrupt-for-testing",))
+    trainer, engine = two_jobs(1, 2, ("warm", "torchrun"), trainer_args=("--corrupt-for-testing",))
     assert_fails(engine, "after the two-job sync at step 2 a parameter of shape")
     assert_fails(trainer, "2 inference rank(s) report a mismatch")
 
 
 def test_two_jobs_refuse_different_models_on_every_rank():
     trainer, engine = two_jobs(2, 2, trainer_args=("--layers", "2"), inference_args=("--width", "32"),
-                               launchers=("python", "torchrun"))
+                               launchers=("python", "warm"))
     assert_fails(trainer, "the two jobs differ: trainer has 8 tensors of 8576 elements (float32), 1 MiB, gloo",
                  within=2)
     assert_fails(engine, "the two jobs differ: inference has 32 tensors", within=2)

@@ -27,6 +27,7 @@ from launch.dist_setup import lesson_parser, print0, print_in_order, run
 
 
 def main(args, ctx):
+    ctx.require(args.size >= 1, f"--size must be at least 1, got {args.size}")
     rank, world, dev, n, src = ctx.rank, ctx.world_size, ctx.device, args.size, 0
     all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # pre-2.13 name
     meter = Meter(ctx)

@@ -23,7 +23,8 @@ MAX_DIMS = 8
 
 def broadcast_tensor(tensor, src, device):
     """Every rank calls this; src passes its tensor, the others None. Returns src's tensor on every rank.
-    (broadcast_object_list([tensor], src) does it in one call, but it pickles: only for peers you trust.)"""
+    (broadcast_object_list([tensor], src) does it in one call, but it pickles
+    (its docs warn so, torch 2.13): only for peers you trust.)"""
     if dist.get_rank() == src and tensor.dim() > MAX_DIMS:
         raise ValueError(f"{tensor.dim()} dims: the header has room for {MAX_DIMS}")
     header = torch.zeros(2 + MAX_DIMS, dtype=torch.int64, device=device)  # same size on every rank

@@ -30,7 +30,7 @@ def main(args, ctx):
     ctx.require(args.size >= 1, f"--size must be at least 1, got {args.size}")
     rank, world, dev, n, src = ctx.rank, ctx.world_size, ctx.device, args.size, 0
     all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # pre-2.13 name
-    meter = Meter(ctx)
+    meter = Meter(ctx)  # with meter(name, lambda: [the tensors the block allocates]): measured around the block
 
     # scatter: only the source holds all world*n values; each rank allocates and receives its n.
     with meter("scatter", lambda: [full, mine]):

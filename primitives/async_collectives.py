@@ -1,9 +1,12 @@
-"""Asynchronous collectives: async_op=True, Work.wait(), get_future().then(...), overlap.
+"""Asynchronous collectives: async_op=True, Work.wait(), get_future().then(...),
+get_future_result(), overlap.
 
 Every collective takes async_op=True and then returns a Work handle at once instead of
 blocking. Work.wait() blocks until the result is in the tensor (on NCCL: makes the
-current stream wait). Work.get_future() gives a torch.futures.Future; .then(fn) chains a
-callback that runs when the collective finishes (DDP's gradient hooks are built on this).
+current stream wait). Work.get_future() gives a torch.futures.Future of the output
+tensors; .then(fn) chains a callback that runs when the collective finishes (DDP's
+gradient hooks are built on this). Work.get_future_result() gives a Future of a status
+code instead (0 SUCCESS, 1 TIMEOUT, 2 COMM_ERROR): NCCL only; Gloo raises, as shown.
 Overlap: start the all_reduce, compute something that does not touch its tensor, then
 wait. We time both orders; the saving depends on cores, message size and the backend.
 
@@ -31,9 +34,14 @@ def main(args, ctx):
     mean_future = work.get_future().then(lambda fut: fut.value()[0] / world)  # runs when done
     work.wait()  # t now holds the sum on this rank
     mean = mean_future.wait()
+    try:  # a Future of a status code (0 = SUCCESS), not of the tensors; only NCCL implements it
+        status = work.get_future_result().wait()
+    except RuntimeError as error:  # Gloo keeps the base Work's method, which raises
+        status = error
     if not torch.equal(t.cpu(), full_sum) or not torch.allclose(mean.cpu(), full_sum / world):
         raise RuntimeError(f"rank {rank}: sum {t[:4].tolist()} / mean {mean[:4].tolist()} do not match plain torch")
     print_in_order(f"async all_reduce sum[:3] = {t[:3].tolist()}, callback's mean[:3] = {mean[:3].tolist()}")
+    print0(check_status(status, ctx))
 
     # 2. Overlap. The same communication and the same computation, one after the other, then together.
     x = torch.randn(args.compute, args.compute, generator=torch.Generator().manual_seed(rank)).to(dev)
@@ -79,6 +87,20 @@ def main(args, ctx):
     print0("OK: async all_reduce + wait() and a .then() callback match plain torch; "
            "overlap of communication and computation measured (best of "
            f"{args.repeat}, same results either way)")
+
+
+def check_status(status, ctx):
+    """What Work.get_future_result() gave, torch 2.13. Its docstring (Work binding, c10d/init.cpp): "a
+    torch.futures.Future object of int type which maps to the enum type of WorkResult" and "supports NCCL".
+    WorkResult (c10d/Work.hpp): SUCCESS 0, TIMEOUT 1, COMM_ERROR 2, UNKNOWN 100; ProcessGroupNCCL's
+    watchdog completes the Future (SUCCESS once the GPU has run the collective, else TIMEOUT or
+    COMM_ERROR; c10d/ProcessGroupNCCL.cpp). Work::getFutureResult (Work.cpp) raises "not implemented"."""
+    if isinstance(status, Exception):
+        return f"get_future_result(): not supported on {ctx.backend} ({status}); NCCL gives a status code"
+    name = torch._C._distributed_c10d.WorkResult(status).name  # not re-exported under torch.distributed
+    if status != 0:
+        raise RuntimeError(f"get_future_result() says {status} ({name}) for an all_reduce that finished")
+    return f"get_future_result() on {ctx.backend}: {status} ({name})"
 
 
 if __name__ == "__main__":

@@ -16,9 +16,9 @@ against a replica it computed itself (only for the check) and reports through th
     torchrun --nproc_per_node=3 --master_port=29501 primitives/weight_sync_two_jobs.py --role inference
     # or: python primitives/weight_sync_two_jobs.py --role trainer --nproc 2 (and --role inference)
 
-On one GPU node give each job its own GPUs (CUDA_VISIBLE_DEVICES=0 and =1,...,7: NCCL takes no
-two ranks of one group on one GPU; the README has the 1 -> 7 recipe). On two hosts, give both
-jobs --sync-host set to the trainer host's address.
+On one GPU node give each job its own GPUs (CUDA_VISIBLE_DEVICES=0 and =1,...,7; NCCL refuses
+two ranks of one communicator on one GPU, "Duplicate GPU detected" in its init.cc; the README
+has the 1 -> 7 recipe). On two hosts, set --sync-host of both jobs to the trainer's address.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.TCPStore
       https://pytorch.org/docs/stable/distributed.tensor.html (full_tensor)
@@ -50,7 +50,7 @@ def main(args, ctx):
 
     # 1. Meet: trainer rank 0 hosts a TCPStore, every rank of both jobs connects to it; the two sides
     #    compare their models' layouts there, before a byte of weights moves.
-    listener, store = open_store(args, ctx, timeout)
+    store = open_store(args, ctx, timeout)
     n_inference = agree_on_layout(store, model, args, ctx, timeout)
 
     # 2. The update group. Each job already has its default group (its own torchrun), so this one is made
@@ -93,8 +93,6 @@ def main(args, ctx):
     report(store, group, seconds, wrong, n_inference, buckets, args, ctx, timeout)
     if group is not None:
         group.shutdown()  # not registered with torch.distributed, so destroy_process_group does not end it
-    if listener is not None:
-        listener.close()
 
 
 def check_flags(args, ctx):
@@ -106,33 +104,29 @@ def check_flags(args, ctx):
 def open_store(args, ctx, timeout):
     """Trainer rank 0 hosts the store on --sync-host:--sync-port; every other rank connects (retrying until
     the timeout, so either job may start first)."""
-    listener = None
+    fd = None
     if args.role == "trainer" and ctx.rank == 0:
         # TCPStore(is_master=True) listens on every interface whatever host it is given (`ss -ltn` shows
-        # *:PORT with torch 2.13); a socket bound here and handed over keeps it on --sync-host.
+        # *:PORT with torch 2.13); a socket bound here and handed over (detach: the store owns it now)
+        # keeps it on --sync-host.
         try:
-            listener = socket.create_server((args.sync_host, args.sync_port))
+            fd = socket.create_server((args.sync_host, args.sync_port)).detach()
         except OSError as error:
             ctx.require(False, f"cannot listen on {args.sync_host}:{args.sync_port} ({error.strerror}): "
                                "pick a free --sync-port, the same for both jobs")
     try:
-        store = dist.TCPStore(args.sync_host, args.sync_port, is_master=listener is not None, timeout=timeout,
-                              wait_for_workers=False,
-                              master_listen_fd=listener.fileno() if listener is not None else None)
+        return dist.TCPStore(args.sync_host, args.sync_port, is_master=fd is not None, timeout=timeout,
+                             wait_for_workers=False, master_listen_fd=fd)
     except dist.DistError:
         ctx.require(False, f"no trainer listened on {args.sync_host}:{args.sync_port} within {args.timeout:g} s: "
                            "start the trainer job (--role trainer) with the same --sync-host and --sync-port")
-    return listener, store
-
-
-def layout(model, args, ctx):
-    """What both jobs must agree on: every tensor's name, global shape and dtype, the buckets, the backend."""
-    tensors = [[name, list(p.shape), str(p.dtype).removeprefix("torch.")] for name, p in model.named_parameters()]
-    return {"backend": ctx.backend, "bucket_mb": args.bucket_mb, "tensors": tensors}
 
 
 def agree_on_layout(store, model, args, ctx, timeout):
-    mine, other = layout(model, args, ctx), "inference" if args.role == "trainer" else "trainer"
+    """Both jobs must agree on every tensor's name, global shape and dtype, on the buckets and the backend."""
+    tensors = [[name, list(p.shape), str(p.dtype).removeprefix("torch.")] for name, p in model.named_parameters()]
+    mine = {"backend": ctx.backend, "bucket_mb": args.bucket_mb, "tensors": tensors}
+    other = "inference" if args.role == "trainer" else "trainer"
     if ctx.rank == 0:  # json, not pickle: nothing read from the store is executed
         store.set(f"{args.role}/layout", json.dumps(mine))
         if args.role == "inference":

@@ -37,7 +37,7 @@ def main(args, ctx):
             out = model(xb.to(ctx.device))
             losses.append(F.cross_entropy(out, yb.to(ctx.device), reduction="none"))
             preds.append(out.argmax(1))
-    index = torch.tensor(list(sampler), device=ctx.device)  # the loader's order (shuffle=False, no workers)
+    index = torch.tensor(list(sampler), device=ctx.device)  # the indices the loader used, in its order
     loss, pred = torch.cat(losses), torch.cat(preds)
     correct = pred == y.to(ctx.device)[index]
     naive = torch.stack([loss.mean(), correct.float().mean()])  # naive: each rank's means, padding included,
@@ -90,9 +90,9 @@ def check(model, x, y, naive, exact, by_index, ctx):
     # An argmax whose top two logits lie within rounding may flip between the two runs (none measured
     # in float32): counts must match exactly, up to that many such ties.
     ties = (top2[:, 0] - top2[:, 1] <= rel * top2[:, 0].abs()).sum().item()
-    failures = check_exact(exact, ref_loss, ref_hit, tol, ties) + check_naive(naive, ref_each, ref_hit, tol, ctx)
-    if ctx.rank == 0:
-        failures += check_predictions(by_index, ref_pred, ties)
+    failures = check_exact(exact, ref_loss, ref_hit, tol, ties)
+    failures += check_naive(naive, ref_each, ref_hit, tol, ties, ctx)
+    failures += check_predictions(by_index, ref_pred, ties) if ctx.rank == 0 else []  # only rank 0 holds them
     dist.barrier()  # rank 0 has printed its findings before any rank raises (and the launcher stops the rest)
     if failures:
         raise RuntimeError("; ".join(f"[rank {ctx.rank}] {f}" for f in failures))
@@ -110,20 +110,20 @@ def check_exact(exact, ref_loss, ref_hit, tol, ties):
             f"(loss {ref_loss:.6f}, {ref_correct}/{n})"] * bad
 
 
-def check_naive(naive, ref_each, ref_hit, tol, ctx):
+def check_naive(naive, ref_each, ref_hit, tol, ties, ctx):
     """The naive figures are the padded list's means (by hand): off when the padding repeats some samples."""
     n, size = len(ref_each), -(-len(ref_each) // ctx.world_size) * ctx.world_size
     padded = (list(range(n)) * -(-size // n))[:size]
     by_hand = [ref_each[padded].mean().item(), ref_hit[padded].float().mean().item()]
-    off = naive[0] - ref_each.mean().item()
+    off, shift = naive[0] - ref_each.mean().item(), by_hand[0] - ref_each.mean().item()
     print0(f"naive - one process: loss {off:+.2e}, accuracy {naive[1] - ref_hit.float().mean().item():+.2e}; "
-           f"the padded list's means by hand: loss {by_hand[0]:.6f}, accuracy {by_hand[1]:.6f}")
+           f"the padded list's means by hand: loss {by_hand[0]:.6f} ({shift:+.2e}), accuracy {by_hand[1]:.6f}")
     failures = []
-    if not (abs(naive[0] - by_hand[0]) <= tol and abs(naive[1] - by_hand[1]) <= 1e-6):
+    if not (abs(naive[0] - by_hand[0]) <= tol and abs(naive[1] - by_hand[1]) * size < ties + 0.5):  # to a sample
         failures.append(f"the naive figures {naive} are not the padded list's means {by_hand}")
     if size % n == 0 and not abs(off) <= tol:  # no padding, or every sample repeated alike (n < N)
         failures.append(f"every sample counted {size // n}x, yet the naive loss is off by {off:.2e}")
-    if size % n != 0 and not abs(off) > tol:
+    if abs(shift) > 2 * tol and not abs(off) > tol:  # whenever the bound can see the shift (fp32: defaults)
         failures.append(f"{size - n} padded samples, yet the naive loss is off by only {off:.2e}")
     return failures
 

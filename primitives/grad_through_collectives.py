@@ -59,8 +59,10 @@ def main(args, ctx):
         dist.all_gather(parts, z)  # no autograd: parts are detached copies
         return torch.cat(parts[:rank] + [z] + parts[rank + 1:])  # the usual patch: only our own slot has a graph
 
+    # all_gather_single is the torch 2.13 name; 2.12 has the same op as all_gather_tensor_autograd
+    functional_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor_autograd
     gathers = {"plain dist.all_gather": plain_all_gather,
-               "functional all_gather_single": lambda z: funcol.all_gather_single(z, 0, dist.group.WORLD),
+               "functional all_gather_single": lambda z: functional_all_gather(z, 0, dist.group.WORLD),
                "autograd.Function by hand": lambda z: AllGatherWithGrad.apply(z, not args.unreduced_backward)}
     if args.nn_functional:  # warns FutureWarning in torch 2.13 (torch/distributed/nn/functional.py)
         import torch.distributed.nn.functional as dist_nn

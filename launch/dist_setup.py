@@ -131,8 +131,8 @@ def _run_rank(main, args, init=True):
             gpus = torch.accelerator.device_count()
             auto_cpu = device.type == "cpu" and gpus and not (args.backend or args.device)
             why = f" ({local_world_size} ranks/node > {gpus} GPUs)" if auto_cpu else ""
-            print(f"[setup] {world_size} rank(s), backend {backend}, device {device.type}{why}, "
-                  f"timeout {args.timeout:g}s, torch {torch.__version__}", flush=True)
+            _write(f"[setup] {world_size} rank(s), backend {backend}, device {device.type}{why}, "
+                   f"timeout {args.timeout:g}s, torch {torch.__version__}")  # one write: see _write
         main(args, Context(rank, world_size, local_rank, local_world_size, device, backend))
         return 0
     except UsageError as error:

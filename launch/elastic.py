@@ -30,7 +30,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from launch.dist_setup import lesson_parser, print0, run
+from launch.dist_setup import lesson_parser, print0, print_rank, run
 
 MOD = 2**31 - 1
 
@@ -65,7 +65,7 @@ def main(args, ctx):
     w = state["w"]
     for step in range(state["step"], args.steps):
         if step == args.fail_at_step and restart == 0 and ctx.rank == ctx.world_size - 1:
-            print(f"[rank {ctx.rank}] dying at step {step} (--fail-at-step)", flush=True)
+            print_rank(f"dying at step {step} (--fail-at-step)")  # one write, so no other rank's line cuts it
             os._exit(1)  # an abrupt death, like a lost machine: no cleanup, no exception
         mine = range(ctx.rank, args.batch, ctx.world_size)  # this rank's share, at any world size
         total = torch.tensor([step_sum(step, mine)], dtype=torch.int64, device=ctx.device)

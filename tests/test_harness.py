@@ -191,9 +191,9 @@ def test_env_overrides_and_startup_variables(tmp_path):
     """env= reaches every rank; a variable read at interpreter start-up gets a server of its own."""
     path = script(tmp_path, """
         import os
-        # one string, one write: with PYTHONUNBUFFERED print(a, b, c) writes each piece apart and two
-        # ranks' pieces mixed on the shared pipe ("10 7 ...", " 7 ...") in 1 of 3 full runs
-        print(f'{os.environ["RANK"]} {os.environ.get("DIST_TIMEOUT")} {hash("warm")}', flush=True)
+        # one write call for the whole line: with PYTHONUNBUFFERED even print(s) makes two, s and then "\\n"
+        # (strace), and two ranks' pieces mixed on the shared pipe ("0 7 ...1 7 ...", "") in a full run
+        os.write(1, f'{os.environ["RANK"]} {os.environ.get("DIST_TIMEOUT")} {hash("warm")}\\n'.encode())
     """)
     seeded = [run_lesson(path, nproc=2, launcher="warm", env={"DIST_TIMEOUT": "7", "PYTHONHASHSEED": "5"})
               for _ in range(2)]

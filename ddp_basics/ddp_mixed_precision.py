@@ -8,65 +8,76 @@ clipping you must call `scaler.unscale_(opt)`, or you would clip the scaled grad
 The lesson trains the same model in fp32 and in each 16-bit mode and compares the loss. Both
 modes run on CPU too in torch 2.13 (autocast's CPU dtypes are bf16 and fp16, torch/amp/autocast_mode.py;
 GradScaler takes "cpu", torch/amp/grad_scaler.py), so the same checks run on every device.
+Its skeleton is ddp_minimal.py's: `diff ddp_minimal.py ddp_mixed_precision.py` shows the lines
+mixed precision adds.
 
     torchrun --nproc_per_node=3 ddp_basics/ddp_mixed_precision.py
-    python ddp_basics/ddp_mixed_precision.py --nproc 2 --steps 300
+    python ddp_basics/ddp_mixed_precision.py --nproc 2 --epochs 6
 
 Docs: https://pytorch.org/docs/stable/amp.html
 """
-import copy
-
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from launch.dist_setup import lesson_parser, print0, run
+from launch.dist_setup import lesson_parser, print0, run, test_flags
 from toy import MLP, make_data
 
-
-def train(args, ctx, start, x, y, dtype):
-    """Train a DDP copy of start; dtype None is plain fp32. Returns (held-out loss in fp32, scaler)."""
-    model = DDP(copy.deepcopy(start))
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-    scaler = torch.amp.GradScaler(ctx.device.type, enabled=dtype == torch.float16)
-    for step in range(args.steps):
-        lo = (step * ctx.world_size + ctx.rank) * args.batch
-        xb, yb = x[lo:lo + args.batch].to(ctx.device), y[lo:lo + args.batch].to(ctx.device)
-        with torch.autocast(ctx.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            loss = F.cross_entropy(model(xb), yb)  # linear in 16 bits, cross_entropy in fp32 (amp docs' op lists)
-        scaler.scale(loss).backward()  # without fp16 the scaler is disabled: plain backward
-        scaler.unscale_(opt)           # true gradients now, so clipping sees their real norm
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        scaler.step(opt)               # skips the step if fp16 gradients overflowed
-        scaler.update()
-        opt.zero_grad()
-    xt, yt = make_data(2000, seed=1)
-    with torch.no_grad():  # DDP keeps the replicas identical: every rank computes the same loss
-        held_out = F.cross_entropy(model.module(xt.to(ctx.device)), yt.to(ctx.device))
-    return held_out.item(), scaler
+MODES = [("fp32", None), ("bf16 autocast", torch.bfloat16), ("fp16 autocast + GradScaler", torch.float16)]
 
 
 def main(args, ctx):
-    x, y = make_data(args.steps * ctx.world_size * args.batch, seed=0)
-    torch.manual_seed(0)
-    start = MLP(args.width).to(ctx.device)
-    fp32, _ = train(args, ctx, start, x, y, None)
-    print0(f"fp32: held-out loss {fp32:.4f}")
-    check_16_bit_modes(args, ctx, start, x, y, fp32)
+    x, y = make_data(args.train, seed=0)  # every rank builds the same data, on the CPU
+    dataset = TensorDataset(x, y)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)  # this rank's 1/N (rank, N from the group)
+    loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler)
+    test_x, test_y = make_data(args.test, seed=1)  # held out
+    results = {}
+    for name, dtype in MODES:  # the same start, data and steps in each mode
+        torch.manual_seed(0)
+        model = MLP(args.width).to(ctx.device)
+        model = DDP(model, device_ids=None if ctx.device.type == "cpu" else [ctx.device])
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        scaler = torch.amp.GradScaler(ctx.device.type, enabled=dtype == torch.float16)  # off: a no-op
+        for epoch in range(args.epochs):
+            sampler.set_epoch(epoch)  # a new shuffle each epoch
+            for xb, yb in loader:
+                xb, yb = xb.to(ctx.device), yb.to(ctx.device)
+                with torch.autocast(ctx.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+                    loss = F.cross_entropy(model(xb), yb)  # linear in 16 bits, cross_entropy in fp32 (amp docs' op lists)
+                opt.zero_grad()
+                scaler.scale(loss).backward()  # DDP all_reduces the (scaled) fp32 gradients here
+                if not args.skip_unscale:
+                    scaler.unscale_(opt)       # true gradients now, so clipping sees their real norm
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+                scaler.step(opt)               # skips the step if fp16 gradients overflowed
+                scaler.update()
+        results[name] = held_out_loss(model, test_x, test_y, ctx), scaler
+    check_16_bit_modes(results, args, ctx)
 
 
-def check_16_bit_modes(args, ctx, start, x, y, fp32):
+def held_out_loss(model, x, y, ctx):
+    """In fp32. DDP keeps the replicas identical, so every rank computes the same value."""
+    with torch.no_grad():
+        return F.cross_entropy(model.module(x.to(ctx.device)), y.to(ctx.device)).item()
+
+
+def check_16_bit_modes(results, args, ctx):
     """Each 16-bit mode ends near the fp32 run, all on ctx.device. Bound: 16-bit matmuls round to
-    8 (bf16) or 11 (fp16) significant bits, and the runs drift apart by about that much; measured
-    |diff| <= 2e-3 after 150 steps on CPU at 1-3 ranks (CUDA's fp16/bf16 matmuls round the same
-    formats, accumulating in fp32). fp16: with the default scale 2**16 the largest scaled gradient
-    measured 19136, below fp16's 65504, so no step overflows; if one does (DDP averages the
-    gradients before unscale_, so every rank finds the same inf and all skip it together),
-    GradScaler skips it and halves the scale: one or two skipped steps early on were measured to
-    move the final loss by 0.007-0.013 (by 0.047 at --steps 60, hence the 150 steps): --tol 0.05."""
+    8 (bf16) or 11 (fp16) significant bits and the runs drift apart by about that much: measured
+    |diff| 0.0049/0.0054/0.0004/0.0000 (bf16) and <= 0.0006 (fp16) at 1/2/3/4 ranks on CPU with the
+    defaults (`python ddp_basics/ddp_mixed_precision.py --nproc N`); CUDA's fp16/bf16 matmuls round
+    to the same formats, accumulating in fp32. --tol 0.05 is 10x the worst measured, since the drift
+    of a training run is not smooth in its rounding (at --lr 0.2 one rank drifted 0.27), and far
+    below what a missing unscale_ gives (0.65 at 2 ranks: `--skip-unscale`). A step whose fp16
+    gradients overflow is skipped by GradScaler on every rank alike (DDP averages the gradients
+    before unscale_, so every rank finds the same inf), and the scale is halved."""
+    fp32 = results["fp32"][0]
+    print0(f"fp32: held-out loss {fp32:.4f}")
     worst = 0.0
-    for name, dtype in [("bf16 autocast", torch.bfloat16), ("fp16 autocast + GradScaler", torch.float16)]:
-        loss, scaler = train(args, ctx, start, x, y, dtype)
+    for name, _ in MODES[1:]:
+        loss, scaler = results[name]
         diff = abs(loss - fp32)
         worst = max(worst, diff)
         first = torch.amp.GradScaler(ctx.device.type).get_scale()  # the default initial scale
@@ -81,10 +92,16 @@ def check_16_bit_modes(args, ctx, start, x, y, fp32):
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--batch", type=int, default=32, help="examples per rank per step")
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--train", type=int, default=1200, help="training examples")
+    parser.add_argument("--test", type=int, default=1000, help="held-out examples")
+    parser.add_argument("--batch", type=int, default=16, help="examples per rank per step")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=0, help="DistributedSampler's shuffle seed")
     parser.add_argument("--clip", type=float, default=1.0, help="max gradient norm")
     parser.add_argument("--tol", type=float, default=0.05, help="allowed |loss - fp32 loss|")
+    tests = test_flags(parser)
+    tests.add_argument("--skip-unscale", action="store_true",
+                       help="clip the scaled fp16 gradients (no unscale_): the fp16 check fails")
     run(main, parser.parse_args())

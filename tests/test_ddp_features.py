@@ -75,6 +75,12 @@ def test_python_launcher(name, nproc):
     check_output(name, nproc, result)
 
 
+def test_mixed_precision_without_unscale_fails():  # clipping the scaled fp16 gradients: fp16 barely trains
+    assert_fails(run_lesson("ddp_basics/ddp_mixed_precision.py", "--skip-unscale", nproc=2, launcher="warm",
+                            timeout=TIMEOUT),
+                 "fp16 autocast + GradScaler ends")
+
+
 def test_uneven_inputs_needs_two_ranks():
     assert_fails(run_lesson("ddp_basics/ddp_uneven_inputs.py", nproc=1, launcher="warm", timeout=TIMEOUT),
                  "needs at least 2 ranks", within=1)

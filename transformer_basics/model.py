@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -77,9 +78,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, activation_checkpointing=False):
         super().__init__()
         self.cfg = cfg
+        self.activation_checkpointing = activation_checkpointing  # not a weight: not in the checkpoints
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
@@ -108,7 +110,13 @@ class GPT(nn.Module):
         else:
             x = idx
         for block in self.blocks.values():
-            x = block(x)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                # Keep only the block's input; backward runs the block again for its activations.
+                # The RNG state is saved and restored, so dropout draws the same masks (use_reentrant=False:
+                # the form the docs recommend, which works with DDP and FSDP2; torch/utils/checkpoint.py, 2.13)
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         if self.lm_head is None:
             return x
         return self.lm_head(self.ln_f(x))

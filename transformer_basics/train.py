@@ -44,7 +44,7 @@ def main(args, ctx):
 
     torch.manual_seed(args.seed)  # the same initial model on every rank (DDP broadcasts rank 0's anyway)
     cfg = config_from_args(args)
-    model = GPT(cfg).to(ctx.device)
+    model = GPT(cfg, activation_checkpointing=args.activation_checkpointing).to(ctx.device)  # model.py
     n_params, flops_per_token = model.num_params(), model.flops_per_token()
     if args.compile:
         model.compile()  # in place: parameter names (and so checkpoints) stay the same
@@ -89,6 +89,8 @@ def check_replicas_agree(model):
 def parse_args(argv=None):
     parser = lesson_parser(__doc__)
     parser.add_argument("--parallel", choices=["none", "ddp", "fsdp"], default="ddp")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute each block's activations in backward: less memory, one more forward")
     return training.parse_args(parser, argv, out="runs/gpt")
 
 

@@ -104,8 +104,8 @@ def main(args, ctx):
                 f"use a multiple of {2 * world}")
     ctx.require_point_to_point()
     c = args.seq // (2 * world)
-    mine = torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * world - 1 - rank) * c,
-                                                                         (2 * world - rank) * c)])
+    chunks = (rank, 2 * world - 1 - rank)  # zig-zag: one chunk from each end, so causal work is even
+    mine = torch.cat([torch.arange(i * c, (i + 1) * c, device="cpu") for i in chunks])  # indexes CPU tensors
     q_all, k_all, v_all, dout_all = inputs(args)  # the whole sequence, the same on every rank (one seed)
 
     q, k, v = (t[:, :, mine].to(ctx.device).requires_grad_() for t in (q_all, k_all, v_all))
@@ -114,10 +114,20 @@ def main(args, ctx):
 
     work = sum(len(range(2 * c)[rows]) * len(range(2 * c)[cols]) for rows, cols, _ in
                (block(step, rank, world, c) for step in range(world)))
-    print_in_order(f"chunks {rank} and {2 * world - 1 - rank}: positions {mine[0]}..{mine[c - 1]} and "
+    print_in_order(f"chunks {chunks[0]} and {chunks[1]}: positions {mine[0]}..{mine[c - 1]} and "
                    f"{mine[c]}..{mine[-1]}; {world} ring step(s), {work} query-key scores computed "
-                   f"(a contiguous split: {(rank + 1) * (2 * c) ** 2})")
+                   f"(a contiguous split would give it {(rank + 1) * (2 * c) ** 2})")
+    torch_context_parallel_note(ctx)
     check_against_full_attention(args, ctx, mine, (q_all, k_all, v_all, dout_all), out, (q.grad, k.grad, v.grad))
+
+
+def torch_context_parallel_note(ctx):
+    # torch 2.13, torch/distributed/tensor/experimental/_context_parallel/_attention.py (a prototype): with
+    # context_parallel(mesh, buffers=..., buffer_seq_dims=...) the buffers are cut head-tail (this zig-zag) and
+    # SDPA's flash, efficient and cuDNN kernels (CUDA) run as ring attention (K, V by all_gather by default).
+    why = "on CPU it raises NotImplementedError (aten._scaled_dot_product_flash_attention_for_cpu has no sharding " \
+          "strategy), skipped" if ctx.device.type == "cpu" else "not run by this lesson (see README)"
+    print0(f"torch's own context_parallel needs a CUDA SDPA kernel (flash, efficient or cuDNN): {why}")
 
 
 def inputs(args):

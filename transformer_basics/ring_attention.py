@@ -140,7 +140,8 @@ def check_against_full_attention(args, ctx, mine, full, out, grads):
     q_all, k_all, v_all, dout_all = (t.clone().requires_grad_(i < 3) for i, t in enumerate(full))
     ref = F.scaled_dot_product_attention(q_all, k_all, v_all, is_causal=True)  # one process, whole sequence
     ref.backward(dout_all)
-    # float64 (eps 2**-52) on every device (CUDA float64 matmuls use no TF32). A sum of n terms errs by at most
+    # float64 (eps 2**-52) on every device: TF32 only ever replaces float32 matmuls (https://pytorch.org/docs/
+    # stable/notes/cuda.html#tensorfloat-32-tf32-on-ampere-and-later-devices). A sum of n terms errs by at most
     # about n*eps of their sizes (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., 4.2); the
     # longest sums run over the sequence (seq) or a head (head_dim), a few are chained: 8 * (seq + head_dim) * eps.
     bound = 8 * (args.seq + args.head_dim) * 2.0 ** -52

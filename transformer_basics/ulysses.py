@@ -1,0 +1,101 @@
+"""Context parallelism with all_to_all (DeepSpeed-Ulysses): trade a sequence split for a head split.
+
+Every rank holds q, k, v for its contiguous 1/N of the sequence and all H heads. One all_to_all per
+tensor hands each rank all T positions of H/N heads; attention is then ordinary (causal, the whole
+sequence, local heads: no ring, no merge, no load imbalance); one more all_to_all brings the output
+back to a sequence split. The all_to_all of torch.distributed._functional_collectives is
+differentiable, so backward runs the same exchanges in reverse. Heads must divide by N.
+Checked in float64 against F.scaled_dot_product_attention(is_causal=True) on the whole sequence.
+
+    torchrun --nproc_per_node=2 transformer_basics/ulysses.py
+    python transformer_basics/ulysses.py --nproc 4 --seq 64 --heads 8
+
+Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_to_all_single
+      https://docs.pytorch.org/docs/main/distributed.functional_collectives.html
+      DeepSpeed-Ulysses: https://arxiv.org/abs/2309.14509
+"""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from launch.dist_setup import lesson_parser, print0, print_in_order, run, test_flags
+
+# Torch 2.13 source, torch/distributed/_functional_collectives.py: all_to_all_single has autograd registered
+# (register_autograd on _c10d_functional::all_to_all_single; backward: all_to_all with the split sizes swapped).
+# Private (leading underscore) in 2.13; dist.all_to_all_single has no autograd.
+import torch.distributed._functional_collectives as funcol
+
+
+def main(args, ctx):
+    rank, world = ctx.rank, ctx.world_size
+    B, H, T, D = args.batch, args.heads, args.seq, args.head_dim
+    ctx.require(min(B, H, T, D) >= 1, "--batch, --heads, --seq, --head-dim must be at least 1")
+    ctx.require(H % world == 0, f"--heads {H} must divide by the world size {world}: Ulysses gives each rank "
+                f"H/N whole heads (use a multiple of {world})")
+    ctx.require(T % world == 0, f"--seq {T} must divide by the world size {world} (use a multiple of {world})")
+    h, t = H // world, T // world  # heads per rank after the exchange, positions per rank before
+    q_all, k_all, v_all, dout_all = inputs(args)  # the whole sequence, the same on every rank (one seed)
+
+    def seq_to_heads(x):  # (B, H, T/N, D) -> (B, H/N, T, D)
+        x = x.reshape(B, world, h, t, D).transpose(0, 1).contiguous()  # dim 0: the rank that gets these heads
+        x = funcol.all_to_all_single(x, None, None, dist.group.WORLD)  # dim 0 now: whose positions these are
+        return x.permute(1, 2, 0, 3, 4).reshape(B, h, T, D)
+
+    def heads_to_seq(x):  # (B, H/N, T, D) -> (B, H, T/N, D)
+        x = x.reshape(B, h, world, t, D)
+        # the taught transpose back: put the destination (whose positions) first, as all_to_all splits dim 0
+        x = x.reshape(world, B, h, t, D) if args.no_transpose_back else x.permute(2, 0, 1, 3, 4).contiguous()
+        x = funcol.all_to_all_single(x, None, None, dist.group.WORLD)  # dim 0 now: whose heads these are
+        return x.transpose(0, 1).reshape(B, H, t, D)
+
+    q, k, v = (a[:, :, rank * t:(rank + 1) * t].to(ctx.device).requires_grad_() for a in (q_all, k_all, v_all))
+    qh, kh, vh = (seq_to_heads(a) for a in (q, k, v))
+    out = heads_to_seq(F.scaled_dot_product_attention(qh, kh, vh, is_causal=True))
+    out.backward(dout_all[:, :, rank * t:(rank + 1) * t].to(ctx.device))
+
+    print_in_order(f"positions {rank * t}..{(rank + 1) * t - 1} of all {H} heads {tuple(q.shape)} -> "
+                   f"heads {rank * h}..{(rank + 1) * h - 1} at all {T} positions {tuple(qh.shape)} -> back")
+    check_against_full_attention(args, ctx, (q_all, k_all, v_all, dout_all), out, (q.grad, k.grad, v.grad))
+
+
+def inputs(args):
+    gen = torch.Generator().manual_seed(args.seed)
+    shape = (args.batch, args.heads, args.seq, args.head_dim)
+    return [torch.randn(shape, generator=gen, dtype=torch.float64, device="cpu") for _ in range(4)]
+
+
+def check_against_full_attention(args, ctx, full, out, grads):
+    q_all, k_all, v_all, dout_all = (a.clone().requires_grad_(i < 3) for i, a in enumerate(full))
+    ref = F.scaled_dot_product_attention(q_all, k_all, v_all, is_causal=True)  # one process, whole sequence
+    ref.backward(dout_all)
+    # float64 (eps 2**-52) on every device: TF32 only ever replaces float32 matmuls (https://pytorch.org/docs/
+    # stable/notes/cuda.html#tensorfloat-32-tf32-on-ampere-and-later-devices). A sum of n terms errs by at most
+    # about n*eps of their sizes (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., 4.2); the
+    # longest sums run over the sequence (seq) or a head (head_dim), a few are chained: 8 * (seq + head_dim) * eps.
+    bound = 8 * (args.seq + args.head_dim) * 2.0 ** -52
+    t = args.seq // ctx.world_size
+    mine = slice(ctx.rank * t, (ctx.rank + 1) * t)
+    errors = {}
+    for name, got, want in zip(["output", "dq", "dk", "dv"], [out, *grads],
+                               [ref, q_all.grad, k_all.grad, v_all.grad]):
+        want = want[:, :, mine]
+        errors[name] = ((got.detach().cpu() - want).abs().max() / want.abs().max()).item()
+    print_in_order("max error vs full attention, relative to the largest entry: "
+                   + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()) + f" (bound {bound:.1e})")
+    bad = [n for n, e in errors.items() if not e <= bound]
+    if bad:
+        raise RuntimeError(f"rank {ctx.rank}: Ulysses attention's {', '.join(bad)} differ from full causal "
+                           f"attention (max error {max(errors.values()):.1e} > bound {bound:.1e})")
+    print0(f"OK: Ulysses attention over {ctx.world_size} rank(s) ({args.heads // ctx.world_size} head(s) each "
+           f"between two all_to_alls) equals full attention on one process: output and the gradients of q, k, v")
+
+
+if __name__ == "__main__":
+    parser = lesson_parser(__doc__)
+    parser.add_argument("--seq", type=int, default=48, help="sequence length, a multiple of the world size")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=8, help="a multiple of the world size")
+    parser.add_argument("--head-dim", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0, help="q, k, v and the output gradient")
+    test_flags(parser).add_argument("--no-transpose-back", action="store_true",
+                                    help="send the output back without first putting its destination dim first")
+    run(main, parser.parse_args())

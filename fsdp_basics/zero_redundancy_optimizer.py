@@ -15,12 +15,19 @@ Docs: https://pytorch.org/docs/stable/distributed.optim.html (ZeroRedundancyOpti
       https://pytorch.org/tutorials/recipes/zero_redundancy_optimizer.html
 """
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+with warnings.catch_warnings():  # torch.distributed.optim's import compiles its functional optimizers with
+    # @torch.jit.script (torch/distributed/optim/functional_*.py), deprecated in 2.13 (torch/jit/_script.py):
+    # torch's DeprecationWarning, not this lesson's call; Python hides it unless asked (-W default; see
+    # https://docs.python.org/3/library/warnings.html#default-warning-filter)
+    warnings.filterwarnings("ignore", r"`torch\.jit\.", DeprecationWarning)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from launch.dist_setup import lesson_parser, print0, print_in_order, run, test_flags
 from toy import BlockMLP, make_data, rank_batch, storage_bytes

@@ -44,12 +44,16 @@ def main(args, ctx):
         size = len(flat) // ctx.world_size
         mine = slice(ctx.rank * size, (ctx.rank + 1) * size)
         shard = nn.Parameter(flat[mine])  # a view: Adam's updates land in `flat`
-        opt = torch.optim.Adam([shard], lr=args.lr)  # state for my slice only: 1/N (Adam is elementwise)
+        # Adam is elementwise (docs torch.optim.Adam, the algorithm), so stepping a slice of the flat buffer
+        # equals stepping the parameters in it; its state is for my slice only: 1/N
+        opt = torch.optim.Adam([shard], lr=args.lr)
         losses = []
         for step in range(args.steps):
             xb, yb = rank_batch(x, y, step, args.batch, ctx)
             grads = torch.zeros_like(flat)
-            view_into(params, grads, as_grad=True)  # backward accumulates into `grads`, in place
+            # an existing .grad is accumulated into in place (`variable_grad += new_grad` in AccumulateGrad,
+            # torch/csrc/autograd/functions/accumulate_grad.h), so backward fills `grads`
+            view_into(params, grads, as_grad=True)
             loss = F.cross_entropy(model(xb), yb)
             loss.backward()
             if stage == 1:
@@ -130,7 +134,9 @@ def check_memory(held, start, x, y, args, ctx):
     psi, n, tensors = sum(p.numel() for p in start.parameters()), ctx.world_size, len(list(start.parameters()))
     layers = len(list(zero3.parameters()))  # one flat shard per Linear
     # bytes per parameter (fp32, Adam: 4 param + 4 grad + 8 state) and what padding and Adam's 4-byte
-    # `step` counters (one per optimized tensor) may add on top: under N elements per flat buffer
+    # `step` counters (a float32 scalar tensor per optimized tensor, torch/optim/adam.py `_init_group`)
+    # may add on top: under N elements per flat buffer. DDP here: the plain model and Adam, what every DDP
+    # rank holds with gradient_as_bucket_view=True (without it, DDP's buckets add 4Ψ: DDP docs).
     rows = [("DDP", "DDP", "16Ψ", 16, 0, tensors), ("ZeRO-1", 1, "(8+8/N)Ψ", 8 + 8 / n, 1, 1),
             ("ZeRO-2", 2, "(4+12/N)Ψ", 4 + 12 / n, 1, 1), ("ZeRO-3", 3, "16Ψ/N", 16 / n, layers, layers)]
     print_in_order(", ".join(f"{label} {sum(held[key]):,} B" for label, key, *_ in rows))

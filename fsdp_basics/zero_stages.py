@@ -129,7 +129,7 @@ def check_memory(held, start, x, y, args, ctx):
     for parent in list(zero3.modules()):  # zero_by_hand.py's ZeRO-3: every Linear keeps 1/N of itself
         for name, child in parent.named_children():
             if isinstance(child, nn.Linear):
-                setattr(parent, name, ShardedLinear(child, ctx, memo))
+                setattr(parent, name, ShardedLinear(child, ctx, memo))  # device: cut from child, on ctx.device
     held[3] = step_bytes(zero3, torch.optim.Adam(zero3.parameters()), xb, yb)
     psi, n, tensors = sum(p.numel() for p in start.parameters()), ctx.world_size, len(list(start.parameters()))
     layers = len(list(zero3.parameters()))  # one flat shard per Linear

@@ -133,7 +133,7 @@ def main(args, ctx):
     ctx.require(args.save_every or 0 < args.resume_after < args.epochs,
                 f"--resume-after must be between 1 and --epochs - 1 = {args.epochs - 1}")
     ctx.require(args.fail_at_step < 0 or args.save_every > 0, "--fail-at-step needs --save-every N")
-    os.makedirs(args.out, exist_ok=True)
+    ctx.require_writable_dir(args.out)
     path = os.path.join(args.out, "ddp_checkpoint.pt")
     if args.save_every:  # a job: resume if an earlier attempt left a checkpoint
         if not os.path.exists(path):

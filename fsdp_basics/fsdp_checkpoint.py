@@ -84,6 +84,7 @@ def main(args, ctx):
     stop, root = args.stop_at or args.steps, Path(args.dir)
     ctx.require(0 < stop <= args.steps, f"--stop-at must be between 1 and --steps {args.steps}")
     ctx.require(not args.resume or (root / "latest").exists(), f"--resume: no checkpoint in {root}")
+    ctx.require_writable_dir(root)
     x, y = (t.to(ctx.device) for t in make_data(args.batch * args.steps))
     torch.manual_seed(0)  # the same initial model on every rank (drawn on the CPU, then moved)
     model = BlockMLP(args.width, args.depth).to(ctx.device)

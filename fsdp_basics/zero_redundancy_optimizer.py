@@ -37,6 +37,7 @@ def main(args, ctx):
     ctx.require(args.batch % ctx.world_size == 0, f"--batch {args.batch} must divide by {ctx.world_size} ranks")
     ctx.require(0 <= args.stop_at <= args.steps, f"--stop-at must be between 0 and --steps ({args.steps})")
     end = args.stop_at or args.steps
+    ctx.require_writable_dir(os.path.dirname(args.checkpoint) or ".")
     x, y = (t.to(ctx.device) for t in make_data(args.batch * args.steps))
     torch.manual_seed(0)  # the same initial model on every rank (drawn on the CPU, then moved)
     model = BlockMLP(args.width, args.depth).to(ctx.device)

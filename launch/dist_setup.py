@@ -48,6 +48,17 @@ class Context:
         if not ok:
             raise UsageError(message)
 
+    def require_writable_dir(self, path):
+        """Make directory `path` if needed and check that this rank can write a file in it (every rank
+        checks: on several machines each has its own disk), before any work is done."""
+        try:
+            os.makedirs(path, exist_ok=True)
+            probe = os.path.join(path, f".write_test_{os.getpid()}")
+            open(probe, "w").close()
+            os.remove(probe)
+        except OSError as error:
+            raise UsageError(f"cannot write to {path} ({error.strerror}): pass a writable directory") from None
+
     def require_point_to_point(self):
         """send/recv/isend/irecv: NCCL takes CUDA tensors, Gloo CPU tensors only (the backend table of
         https://pytorch.org/docs/stable/distributed.html#backends), so Gloo with CUDA tensors cannot run them."""

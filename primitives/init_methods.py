@@ -83,6 +83,9 @@ def main(args, ctx):
     # Up to four inits in one process, only to compare the methods: the docs call re-init "unsupported/untested"
     # (distributed.html#reinitialization), so each group is destroyed after a barrier and the next uses a fresh store.
     methods = METHODS if args.init_method == "all" else [args.init_method]
+    folder = os.path.dirname(os.path.abspath(args.file or tempfile.gettempdir() + "/x"))
+    ctx.require(os.path.isdir(folder) and os.access(folder, os.W_OK),
+                f"--file {args.file}: {folder} is not a writable directory")
     expected = (ctx.world_size * (ctx.world_size - 1) // 2, [r * r for r in range(ctx.world_size)])
     for method in methods:
         how = init(method, args, ctx)

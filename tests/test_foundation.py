@@ -195,3 +195,25 @@ def test_port_in_use_is_one_line():
         result = run_lesson(FIXTURE, "--mode", "ranks", nproc=2, launcher="python",
                             env={"MASTER_PORT": str(port)})
     assert_fails(result, f"error: port {port} on 127.0.0.1 is in use")
+
+
+# --- output paths: a directory a lesson cannot write to is one line on every rank, before any work ---------
+
+UNWRITABLE = {  # lesson -> how it is told where to write ({} is the unwritable path)
+    "ddp_basics/ddp_checkpoint.py": ["--out", "{}"],
+    "fsdp_basics/fsdp_checkpoint.py": ["--dir", "{}"],
+    "fsdp_basics/zero_redundancy_optimizer.py": ["--checkpoint", "{}/zero.pt"],
+    "transformer_basics/train.py": ["--out", "{}"],
+    "transformer_basics/train_2d.py": ["--out", "{}"],
+    "primitives/init_methods.py": ["--init-method", "file", "--file", "{}/store"],
+}
+
+
+@pytest.mark.parametrize("lesson", UNWRITABLE)
+def test_an_unwritable_output_path_is_one_line(lesson, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")  # a directory below a file can never be made, even by root (unlike a chmod)
+    args = [a.format(blocker / "out") for a in UNWRITABLE[lesson]]
+    result = run_lesson(lesson, *args, nproc=2, launcher="warm", timeout=120)
+    assert_fails(result, "is not a writable directory" if "init_methods" in lesson else "cannot write to", within=2)
+    assert "Traceback" not in result.output, result

@@ -37,6 +37,7 @@ def main(args, ctx):
     out = Path(args.out)
     ckpt = out / ("checkpoint" if args.parallel == "fsdp" else "checkpoint.pt")
     ctx.require(not args.resume or ckpt.exists(), f"--resume: no checkpoint at {ckpt}")
+    ctx.require_writable_dir(out)
     train_tokens, val_tokens = training.load_tokens(args, ctx)
     # Rank r reads the r-th disjoint share of every step's windows (like DistributedSampler).
     train_data = data.ShardedWindows(train_tokens, args.block_size, ctx.rank, ctx.world_size, args.seed)

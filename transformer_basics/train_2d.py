@@ -42,6 +42,7 @@ def main(args, ctx):
     out = Path(args.out)
     ckpt = out / "checkpoint"
     ctx.require(not args.resume or ckpt.exists(), f"--resume: no checkpoint at {ckpt}")
+    ctx.require_writable_dir(out)
     train_tokens, val_tokens = training.load_tokens(args, ctx)
     dp = ctx.world_size // args.tp
     mesh = init_device_mesh(ctx.device.type, (dp, args.tp), mesh_dim_names=("dp", "tp"))

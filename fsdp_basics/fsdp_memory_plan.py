@@ -82,8 +82,8 @@ def main(args, ctx):
     planner.shutdown()
     # Activations, which FSDP does not shard: what one block keeps for backward, at three token counts.
     activations = saved_for_backward(Block(args.real_width).to(ctx.device), (16, 32, 64), ctx)
-    print_plan(big, args, sizes)
     failures = check_activations(activations, args.real_width)
+    print_plan(big, args, sizes)
     failures += check_plan_against_formula(big, args.width, args.depth, sizes)
     failures += check_plan_against_real_run(small, held, ctx)
     if failures:
@@ -154,11 +154,16 @@ def print_plan(big, args, sizes):
         n_params = sum(p.numel() for p in BlockMLP(args.width, args.depth).parameters())
     gib, acts = 2 ** 30, 8 * args.width * args.tokens * args.depth  # the formula check_activations checks
     print0(f"plan: {args.depth} blocks of width {args.width}, {n_params:,} parameters, {16 * n_params / gib:.1f} "
-           f"GiB of fp32 state + Adam in one process; GiB per rank (rank 0: it holds the most)")
-    print0(f"{'N':>6}{'params':>9}{'grads':>9}{'Adam':>9}{'state':>9}{'activations':>13}  (for {args.tokens} tokens)")
+           f"GiB of fp32 params, grads and Adam state in one process; GiB per rank (rank 0: it holds the most)")
+    print0(f"{'N':>6}{'params':>9}{'grads':>9}{'Adam':>9}{'state':>9}{'activations':>13}{'total':>9}"
+           f"  (activations: {args.tokens} tokens per rank)")
     for n in sizes:
         p, g, a = (b / gib for b in big[n, 0])
-        print0(f"{n:>6}{p:>9.3f}{g:>9.3f}{a:>9.3f}{p + g + a:>9.3f}{acts / gib:>13.3f}")
+        print0(f"{n:>6}{p:>9.3f}{g:>9.3f}{a:>9.3f}{p + g + a:>9.3f}{acts / gib:>13.3f}{p + g + a + acts / gib:>9.3f}")
+    over = [n for n in sizes if sum(big[n, 0]) < acts]
+    print0(f"activations are not sharded: {'from N = ' + str(over[0]) if over else 'at no N here'} on they "
+           f"outweigh the sharded state (fewer tokens per rank, activation checkpointing or "
+           f"sequence/context parallelism shrink them)")
 
 
 if __name__ == "__main__":

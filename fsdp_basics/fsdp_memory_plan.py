@@ -32,7 +32,8 @@ from toy import Block, BlockMLP, make_data, step_bytes
 
 
 def plan(width, depth, ranks_of, shard=True):
-    """{(N, r): [param, grad, Adam bytes] rank r of N will hold}, for (N, r) in ranks_of. Own process only."""
+    """{(N, r): [param, grad, Adam bytes] rank r of N will hold}, for (N, r) in ranks_of. Call it in a
+    process that has no process group (see main): each (N, r) gets a fake default group of its own."""
     held = {}
     for n, r in ranks_of:
         dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=n)  # no peers, no memory
@@ -143,7 +144,7 @@ def saved_for_backward(block, token_counts, ctx):
 def check_activations(seen, width):
     """8 B per token and width unit: the fp32 input of the Linear (addmm saves it for the weight's grad)
     and the output of tanh (its backward uses it); the residual add saves nothing
-    (tools/autograd/derivatives.yaml). Byte counts: equal, not close."""
+    (torchgen/packaged/autograd/derivatives.yaml, in the wheel). Byte counts: equal, not close."""
     print0(f"one Block of width {width} keeps for backward: " + ", ".join(f"{t} tokens {b:,} B" for t, b in seen)
            + f" (8 x tokens x width: {', '.join(f'{8 * t * width:,}' for t, _ in seen)})")
     return [f"activations {seen} != 8 x tokens x {width} B"] * any(b != 8 * t * width for t, b in seen)
@@ -161,8 +162,8 @@ def print_plan(big, args, sizes):
         p, g, a = (b / gib for b in big[n, 0])
         print0(f"{n:>6}{p:>9.3f}{g:>9.3f}{a:>9.3f}{p + g + a:>9.3f}{acts / gib:>13.3f}{p + g + a + acts / gib:>9.3f}")
     over = [n for n in sizes if sum(big[n, 0]) < acts]
-    print0(f"activations are not sharded: {'from N = ' + str(over[0]) if over else 'at no N here'} on they "
-           f"outweigh the sharded state (fewer tokens per rank, activation checkpointing or "
+    where = f"from N = {over[0]} on they outweigh the sharded state" if over else "they stay below the state"
+    print0(f"activations are not sharded: {where} (fewer tokens per rank, activation checkpointing or "
            f"sequence/context parallelism shrink them)")
 
 

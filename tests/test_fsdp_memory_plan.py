@@ -55,7 +55,7 @@ def check_output(result, nproc, width=16384, depth=16, tokens=4096, max_ranks=10
 def test_plan_matches_formula_and_real_run(nproc, launcher):
     result = run_lesson(LESSON, nproc=nproc, launcher=launcher, timeout=T)
     ok = assert_ok(result)
-    assert f"for 8..1024 ranks" in ok and f"each of {nproc} real ranks" in ok, ok
+    assert "for 8..1024 ranks" in ok and f"each of {nproc} real ranks" in ok, ok
     check_output(result, nproc)
 
 

@@ -82,7 +82,7 @@ def main(args, ctx):
     big, small = big.result(), small.result()
     planner.shutdown()
     # Activations, which FSDP does not shard: what one block keeps for backward, at three token counts.
-    activations = saved_for_backward(Block(args.real_width).to(ctx.device), (16, 32, 64), ctx)
+    activations = saved_for_backward(Block(args.real_width).to(ctx.device), (16, 32, 64), ctx, args.count_params)
     failures = check_activations(activations, args.real_width)
     print_plan(big, args, sizes)
     failures += check_plan_against_formula(big, args.width, args.depth, sizes)
@@ -123,20 +123,21 @@ def check_plan_against_real_run(small, held, ctx):
             for r, m in enumerate(held) if m != small[ctx.world_size, r]]
 
 
-def saved_for_backward(block, token_counts, ctx):
+def saved_for_backward(block, token_counts, ctx, count_params=False):
     """[(tokens, bytes)]: what autograd keeps for backward in one forward of block, parameters left out."""
-    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    params = set() if count_params else {p.untyped_storage().data_ptr() for p in block.parameters()}
     seen = []
     for tokens in token_counts:
         saved = {}
 
         def pack(t):
-            if t.untyped_storage().data_ptr() not in params:  # the weight is saved too: not an activation
+            if t.untyped_storage().data_ptr() not in params:  # the weight (saved for x's grad) is no activation
                 saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
 
+        x = torch.randn(tokens, block.fc.in_features, device=ctx.device, requires_grad=True)  # as inside a model
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            block(torch.randn(tokens, block.fc.in_features, device=ctx.device)).sum().backward()
+            block(x).sum().backward()
         seen.append((tokens, sum(saved.values())))
     return seen
 
@@ -174,6 +175,9 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank per step, for the activations")
     parser.add_argument("--max-ranks", type=int, default=1024, help="plan for 8, 16, ... up to this many ranks")
     parser.add_argument("--real-width", type=int, default=62, help="the model really sharded (62: 3 and 4 pad)")
-    test_flags(parser).add_argument("--no-shard", action="store_true",
-                                    help="plan without fully_shard: the plan and the real run disagree")
+    tests = test_flags(parser)
+    tests.add_argument("--no-shard", action="store_true",
+                       help="plan without fully_shard: the plan and the real run disagree")
+    tests.add_argument("--count-params", action="store_true",
+                       help="count the saved weight as an activation: the activation check fails")
     run(main, parser.parse_args())

@@ -1,6 +1,7 @@
 """fsdp_basics/fsdp_memory_plan.py (issue 15): per-rank FSDP2 bytes planned on a fake process group for 8..1024
 ranks, and equal to what real ranks hold after a step at 2 (torchrun), 3 (`python lesson.py --nproc`) and 4 (warm
-launcher); the plan made without fully_shard must fail both of its checks; a bad flag is one line per rank."""
+launcher); the plan made without fully_shard must fail both of its checks, and the activation check must fail
+when the saved weight is counted as an activation; a bad flag is one line per rank."""
 import math
 import re
 
@@ -64,6 +65,13 @@ def test_plan_without_fully_shard_fails():
     assert_fails(result, "fake-group plan differs from the ceil-rows formula: N=8: plan")
     for r in range(3):  # every rank's measured bytes differ from an unsharded plan
         assert f"rank {r} holds {expected(REAL_WIDTH, 2, 3, r)} after a step, the plan said" in result.output, result
+
+
+def test_counting_the_weight_as_activation_fails():
+    result = run_lesson(LESSON, "--count-params", "--max-ranks", "8", nproc=2, launcher="warm", timeout=T)
+    assert_fails(result, f"!= 8 x tokens x {REAL_WIDTH} B")
+    weight = 4 * REAL_WIDTH * REAL_WIDTH  # the saved weight is counted once more at every token count
+    assert f"16 tokens {8 * 16 * REAL_WIDTH + weight:,} B" in result.stdout, result
 
 
 def test_bad_flag_is_one_line():

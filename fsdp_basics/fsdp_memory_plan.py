@@ -1,0 +1,183 @@
+"""Planning FSDP memory for 8..1024 ranks you do not have: a fake process group in one process.
+
+torch's tests ship a fake backend (torch/testing/_internal/distributed/fake_pg.py: a testing API, no
+stability promise): `init_process_group("fake", store=FakeStore(), rank=r, world_size=N)` gives one
+process the view of rank r of N. Nothing is sent: every collective returns at once, all_reduce and
+broadcast leave the tensors as they were, all_gather copies the local input into every slot and
+reduce_scatter keeps the local input's own chunk (FakeProcessGroup.hpp). `fully_shard` only needs the
+mesh's size and rank to cut its shards, so a model built on the meta device (shapes, no memory) can be
+sharded N ways for any N, and each rank's shards read. That runs in a fresh child process: a
+process holds one default group, and this one holds the real one.
+With the real ranks it shards a small model for real and checks that each rank holds, after a step,
+exactly the bytes the plan predicted. Then what FSDP does not shard: activations, per token.
+
+    torchrun --nproc_per_node=4 fsdp_basics/fsdp_memory_plan.py
+    python fsdp_basics/fsdp_memory_plan.py --nproc 3 --width 8192 --depth 48 --tokens 8192
+
+Docs: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
+      https://pytorch.org/docs/stable/meta.html, https://pytorch.org/docs/stable/autograd.html#saved-tensors-hooks
+"""
+import math
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.testing._internal.distributed.fake_pg import FakeStore  # testing API (see above)
+
+from launch.dist_setup import lesson_parser, print0, run, test_flags
+from toy import Block, BlockMLP, make_data, step_bytes
+
+
+def plan(width, depth, ranks_of, shard=True):
+    """{(N, r): [param, grad, Adam bytes] rank r of N will hold}, for (N, r) in ranks_of. Call it in a
+    process that has no process group (see main): each (N, r) gets a fake default group of its own."""
+    held = {}
+    for n, r in ranks_of:
+        dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=n)  # no peers, no memory
+        try:
+            with torch.device("meta"):
+                model = BlockMLP(width, depth)
+            mesh = init_device_mesh("cpu", (n,))  # the plan's mesh: only its size and our rank matter
+            if shard:  # the taught step: per block, then the root, as for real
+                for block in model.blocks:
+                    fully_shard(block, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+            shards = [p.to_local() if shard else p for p in model.parameters()]  # rank r's rows, on meta
+            # FSDP2 stores each shard padded to ceil(rows / N) rows (a meta storage still knows its size);
+            # its gradients are views of one reduce_scatter output of padded shards (_fsdp_collectives.py).
+            stored = sum(s.untyped_storage().nbytes() for s in shards)
+            # Adam: exp_avg and exp_avg_sq are zeros_like(param), the unpadded local shard, plus a
+            # float32 `step` per parameter (torch/optim/adam.py, _init_group).
+            held[n, r] = [stored, stored, sum(2 * s.numel() * s.element_size() + 4 for s in shards)]
+        finally:
+            dist.destroy_process_group()
+    return held
+
+
+def main(args, ctx):
+    ctx.require(args.width >= 1 and args.depth >= 1 and args.tokens >= 1 and args.real_width >= 1,
+                "--width, --depth, --tokens and --real-width must be at least 1")
+    ctx.require(args.max_ranks >= 8, f"--max-ranks must be at least 8, got {args.max_ranks}")
+    sizes = [2 ** k for k in range(3, int(math.log2(args.max_ranks)) + 1)]  # 8, 16, ..., max
+    if ctx.rank == 0:  # the planner: a fresh process (spawn), where the fake group can be the default one
+        planner = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        big = planner.submit(plan, args.width, args.depth, [(n, 0) for n in sizes], not args.no_shard)
+        small = planner.submit(plan, args.real_width, 2, [(ctx.world_size, r) for r in range(ctx.world_size)],
+                               not args.no_shard)
+    # Meanwhile the real thing, at this world size: the small model sharded for real, one Adam step.
+    model = BlockMLP(args.real_width, 2).to(ctx.device)
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x, y = (t.to(ctx.device) for t in make_data(16, seed=ctx.rank))
+    measured = step_bytes(model, torch.optim.Adam(model.parameters(), lr=1e-3), x, y)
+    held = [None] * ctx.world_size if ctx.rank == 0 else None
+    dist.gather_object(measured, held, dst=0)  # pickles: fine between our own ranks
+    if ctx.rank != 0:  # done: only rank 0 waits for the planner, so no collective can time out meanwhile
+        return
+    big, small = big.result(), small.result()
+    planner.shutdown()
+    # Activations, which FSDP does not shard: what one block keeps for backward, at three token counts.
+    activations = saved_for_backward(Block(args.real_width).to(ctx.device), (16, 32, 64), ctx, args.count_params)
+    failures = check_activations(activations, args.real_width)
+    print_plan(big, args, sizes)
+    failures += check_plan_against_formula(big, args.width, args.depth, sizes)
+    failures += check_plan_against_real_run(small, held, ctx)
+    if failures:
+        raise RuntimeError("; ".join(failures))
+    print0(f"OK: fully_shard on a fake group planned {args.depth} blocks of width {args.width} for "
+           f"{sizes[0]}..{sizes[-1]} ranks as the ceil-rows formula says, and predicted to the byte what each "
+           f"of {ctx.world_size} real ranks holds after a step; activations, which FSDP does not shard, are "
+           f"8 x width B per token and block")
+
+
+def formula(width, depth, n, r):
+    """Rank r of N, by hand: dim 0 cut in chunks of ceil(rows/N) rows (torch.chunk), storage padded to one."""
+    with torch.device("meta"):
+        shapes = [p.shape for p in BlockMLP(width, depth).parameters()]
+    held = [0, 0, 0]
+    for shape in shapes:
+        rows, row = shape[0], math.prod(shape[1:])
+        chunk = -(-rows // n)
+        mine = max(0, min(chunk, rows - r * chunk))
+        held = [held[0] + 4 * chunk * row, held[1] + 4 * chunk * row, held[2] + 8 * mine * row + 4]
+    return held
+
+
+def check_plan_against_formula(big, width, depth, sizes):
+    wrong = [f"N={n}: plan {big[n, 0]} != formula {formula(width, depth, n, 0)}"
+             for n in sizes if big[n, 0] != formula(width, depth, n, 0)]
+    return [f"fake-group plan differs from the ceil-rows formula: {'; '.join(wrong)}"] * bool(wrong)
+
+
+def check_plan_against_real_run(small, held, ctx):
+    """Bytes are counts: equal, not close, on any device (the state is fp32 on every one)."""
+    for r, measured in enumerate(held):
+        print0(f"[rank {r}] params, grads, Adam bytes: planned {small[ctx.world_size, r]}, "
+               f"measured after a step {measured}")
+    return [f"rank {r} holds {m} after a step, the plan said {small[ctx.world_size, r]}"
+            for r, m in enumerate(held) if m != small[ctx.world_size, r]]
+
+
+def saved_for_backward(block, token_counts, ctx, count_params=False):
+    """[(tokens, bytes)]: what autograd keeps for backward in one forward of block, parameters left out."""
+    params = set() if count_params else {p.untyped_storage().data_ptr() for p in block.parameters()}
+    seen = []
+    for tokens in token_counts:
+        saved = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:  # the weight (saved for x's grad) is no activation
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        x = torch.randn(tokens, block.fc.in_features, device=ctx.device, requires_grad=True)  # as inside a model
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            block(x).sum().backward()
+        seen.append((tokens, sum(saved.values())))
+    return seen
+
+
+def check_activations(seen, width):
+    """8 B per token and width unit: the fp32 input of the Linear (addmm saves it for the weight's grad)
+    and the output of tanh (its backward uses it); the residual add saves nothing
+    (torchgen/packaged/autograd/derivatives.yaml, in the wheel). Byte counts: equal, not close."""
+    print0(f"one Block of width {width} keeps for backward: " + ", ".join(f"{t} tokens {b:,} B" for t, b in seen)
+           + f" (8 x tokens x width: {', '.join(f'{8 * t * width:,}' for t, _ in seen)})")
+    return [f"activations {seen} != 8 x tokens x {width} B"] * any(b != 8 * t * width for t, b in seen)
+
+
+def print_plan(big, args, sizes):
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in BlockMLP(args.width, args.depth).parameters())
+    gib, acts = 2 ** 30, 8 * args.width * args.tokens * args.depth  # the formula check_activations checks
+    print0(f"plan: {args.depth} blocks of width {args.width}, {n_params:,} parameters, {16 * n_params / gib:.1f} "
+           f"GiB of fp32 params, grads and Adam state in one process; GiB per rank (rank 0: it holds the most)")
+    print0(f"{'N':>6}{'params':>9}{'grads':>9}{'Adam':>9}{'state':>9}{'activations':>13}{'total':>9}"
+           f"  (activations: {args.tokens} tokens per rank)")
+    for n in sizes:
+        p, g, a = (b / gib for b in big[n, 0])
+        print0(f"{n:>6}{p:>9.3f}{g:>9.3f}{a:>9.3f}{p + g + a:>9.3f}{acts / gib:>13.3f}{p + g + a + acts / gib:>9.3f}")
+    over = [n for n in sizes if sum(big[n, 0]) < acts]
+    where = f"from N = {over[0]} on they outweigh the sharded state" if over else "they stay below the state"
+    print0(f"activations are not sharded: {where} (fewer tokens per rank, activation checkpointing or "
+           f"sequence/context parallelism shrink them)")
+
+
+if __name__ == "__main__":
+    parser = lesson_parser(__doc__)
+    parser.add_argument("--width", type=int, default=16384, help="planned model: block width (meta: no memory)")
+    parser.add_argument("--depth", type=int, default=16, help="planned model: number of blocks")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank per step, for the activations")
+    parser.add_argument("--max-ranks", type=int, default=1024, help="plan for 8, 16, ... up to this many ranks")
+    parser.add_argument("--real-width", type=int, default=62, help="the model really sharded (62: 3 and 4 pad)")
+    tests = test_flags(parser)
+    tests.add_argument("--no-shard", action="store_true",
+                       help="plan without fully_shard: the plan and the real run disagree")
+    tests.add_argument("--count-params", action="store_true",
+                       help="count the saved weight as an activation: the activation check fails")
+    run(main, parser.parse_args())

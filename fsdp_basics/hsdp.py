@@ -29,15 +29,17 @@ from toy import BlockMLP, make_data, rank_batch, storage_bytes, train_one_proces
 
 
 def main(args, ctx):
-    R = args.replicas or (2 if ctx.world_size % 2 == 0 and ctx.world_size >= 4 else 1)
-    ctx.require(R >= 1 and ctx.world_size % R == 0, f"--replicas {R} must divide the {ctx.world_size} ranks")
+    R = args.replicas if args.replicas is not None else 2 if ctx.world_size % 2 == 0 and ctx.world_size >= 4 else 1
+    ctx.require(R >= 1 and ctx.world_size % R == 0, f"--replicas {R} must be at least 1 and divide the "
+                f"{ctx.world_size} ranks (the mesh is replicas x world_size/replicas)")
     ctx.require(args.batch % ctx.world_size == 0, f"--batch {args.batch} must divide by {ctx.world_size} ranks")
     x, y = (t.to(ctx.device) for t in make_data(args.batch * args.steps))
     torch.manual_seed(0)  # the same initial model on every rank (drawn on the CPU, then moved)
     model = BlockMLP(args.width, args.depth).to(ctx.device)
     reference = copy.deepcopy(model)  # for the checks
 
-    # dim 0 replicates, dim 1 shards: fully_shard reads the positions, not the names (its docstring)
+    # dim 0 replicates, dim 1 shards: by position, not by name (torch 2.13, _get_mesh_info in
+    # torch/distributed/fsdp/_fully_shard/_fsdp_init.py; a 2-D mesh must have names all the same)
     mesh = init_device_mesh(ctx.device.type, (R, ctx.world_size // R), mesh_dim_names=("replicate", "shard"))
     dp_mesh = mesh["shard"] if args.shard_mesh_only else mesh  # the flag: no all_reduce across replicas
     for block in model.blocks:

@@ -38,19 +38,19 @@ def main(args, ctx):
     model = BlockMLP(args.width, args.depth).to(ctx.device)
     reference = copy.deepcopy(model)  # for the checks
 
-    # dim 0 replicates, dim 1 shards: by position, not by name (torch 2.13, _get_mesh_info in
-    # torch/distributed/fsdp/_fully_shard/_fsdp_init.py; a 2-D mesh must have names all the same)
+    # dim 0 replicates, dim 1 shards, by position: a 2-D mesh must be named, but the names are not read
+    # (torch 2.13: _get_mesh_info and its checks in torch/distributed/fsdp/_fully_shard/_fsdp_init.py)
     mesh = init_device_mesh(ctx.device.type, (R, ctx.world_size // R), mesh_dim_names=("replicate", "shard"))
     dp_mesh = mesh["shard"] if args.shard_mesh_only else mesh  # the flag: no all_reduce across replicas
     for block in model.blocks:
         fully_shard(block, mesh=dp_mesh)  # params: DTensors (Replicate(), Shard(0)) on the 2-D mesh
     fully_shard(model, mesh=dp_mesh)  # the root: inp and head
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)  # after fully_shard: it sees the shards
     losses = []
     for step in range(args.steps):
-        xb, yb = rank_batch(x, y, step, args.batch, ctx)  # every rank its own share, as in DDP and FSDP
+        xb, yb = rank_batch(x, y, step, args.batch, ctx)
         loss = F.cross_entropy(model(xb), yb)
-        loss.backward()  # per block: all_gather, grads, reduce_scatter (shard group), all_reduce (replicate)
+        loss.backward()  # per block, last to first: all_gather, gradients, reduce_scatter, then all_reduce
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())

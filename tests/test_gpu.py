@@ -78,6 +78,7 @@ LESSONS = {
     "fsdp_basics/fsdp_memory.py": ANY,
     "fsdp_basics/fsdp_checkpoint.py": BATCH48,
     "fsdp_basics/fsdp_offload.py": BATCH48,
+    "fsdp_basics/hsdp.py": BATCH48,  # and --replicas (default 2 at 4+ even ranks, else 1) divides N
     "transformer_basics/train.py": dict(min_ranks=1, gloo_cuda=True, args=["--steps", "60"]),
     "transformer_basics/train_2d.py": dict(min_ranks=1, gloo_cuda=True, args=["--steps", "30"]),
     "transformer_basics/tensor_parallel.py": dict(min_ranks=1, gloo_cuda=True, divides=24),

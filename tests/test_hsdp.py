@@ -1,6 +1,7 @@
 """Issue 15: HSDP (fsdp_basics/hsdp.py). Real torchrun at 4 ranks (2x2), `python lesson.py --nproc 2` as 2x1,
 the warm launcher as 1x2 and at 1 rank; mesh["shard"] in place of the 2-D mesh (no all_reduce across replicas)
-must fail the check against one process; a --replicas that does not divide the world is refused."""
+must fail the check against one process, and (that check loosened) the check of the collectives; a --replicas
+that does not divide the world is refused."""
 import json
 import re
 
@@ -51,6 +52,14 @@ def test_shard_mesh_only_fails_the_check():
     assert_fails(result, "RuntimeError: HSDP and one process differ by")
     got = re.search(r"max \|param diff\| (\S+) \(tolerance (\S+)\)", result.stdout)
     assert got and float(got[1]) > 100 * float(got[2]), result.output
+
+
+def test_shard_mesh_only_fails_the_collectives_check():
+    """The same, with the first check loosened (--tol 1): the recorded step has no all_reduce across replicas."""
+    result = run_lesson(LESSON, "--shard-mesh-only", "--tol", "1", nproc=4, launcher="warm", timeout=T)
+    assert_fails(result, "RuntimeError: expected 3 all_reduce (replicate) and 3 reduce_scatter_single (shard)")
+    assert re.search(r"^\[rank 0\] one step ran: 5 all_gather_single \(shard\), 3 reduce_scatter_single \(shard\)$",
+                     result.stdout, re.M), result.output
 
 
 def test_replicas_must_divide_the_world():

@@ -80,8 +80,8 @@ def print_mesh_and_shards(model, mesh):
 
 
 def check_matches_one_process(model, losses, reference, x, y, args):
-    """HSDP averages each gradient in two steps (over S ranks, then over R) where one process sums one
-    batch: float32 rounding only, as in fsdp_minimal.py's check (1e-7 measured there), hence --tol 1e-4.
+    """HSDP reduces each gradient in two collectives (reduce_scatter over S ranks, all_reduce over R) where one
+    process sums one batch: float32 rounding only, as in fsdp_minimal.py's check, hence --tol 1e-4.
     float32 matmuls stay float32 on GPUs: TF32 is off by default (docs notes/cuda.html, TF32 section)."""
     ref_losses = train_one_process(reference, x, y, args.batch, args.steps, args.lr)
     losses = torch.stack(losses)
@@ -137,7 +137,8 @@ def check_collectives_per_step(model, mesh, x, y, args, ctx):
     # skipped on a shard dim of 1 rank (there and in _fsdp_collectives.py's foreach_reduce).
     S, groups = mesh.shape[1], args.depth + 1  # one FSDP group per block, and the root
     wrong = [key for key in counts if not (key == "all_reduce (replicate)" or key.endswith("(shard)") and S > 1)]
-    if counts.get("all_reduce (replicate)") != groups or counts.get("reduce_scatter_single (shard)", 0) != groups * (S > 1) or wrong:
+    scatters = counts.get("reduce_scatter_single (shard)", 0)
+    if counts.get("all_reduce (replicate)") != groups or scatters != groups * (S > 1) or wrong:
         raise RuntimeError(f"expected {groups} all_reduce (replicate) and {groups * (S > 1)} reduce_scatter_single "
                            f"(shard), nothing on another group; got {summary}")
     return summary
@@ -147,8 +148,8 @@ def measure_mesh_mistakes(reference, mesh, x, y, args, ctx):
     """One step of a copy of the model under each mesh. Neither mistake raises or warns: what shows them is
     the placements, the bytes, the all_reduces and the replicas disagreeing. Returns the share of the
     model per rank with the 2-D mesh and with the 1-D mesh of all ranks."""
-    rows = {}
-    for label, probe_mesh in ((f"1-D mesh of all {ctx.world_size} ranks", init_device_mesh(ctx.device.type, (ctx.world_size,))),
+    rows, flat_mesh = {}, init_device_mesh(ctx.device.type, (ctx.world_size,))
+    for label, probe_mesh in ((f"1-D mesh of all {ctx.world_size} ranks", flat_mesh),
                               (f"2-D mesh {tuple(mesh.shape)}", mesh), ('mesh["shard"]', mesh["shard"])):
         probe = copy.deepcopy(reference)
         for block in probe.blocks:
@@ -163,13 +164,16 @@ def measure_mesh_mistakes(reference, mesh, x, y, args, ctx):
         hi, lo = whole.clone(), whole.clone()  # each parameter's copies on the replicas: equal after a step?
         dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=mesh.get_group("replicate"))
         dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=mesh.get_group("replicate"))
-        rows[label] = (str(probe.blocks[0].fc.weight.placements), storage_bytes(probe.parameters()) / (4 * whole.numel()),
-                       sum(name == "all_reduce" for name, _ in log), (hi - lo).abs().max().item())
+        share = storage_bytes(probe.parameters()) / (4 * whole.numel())
+        rows[label] = (str(probe.blocks[0].fc.weight.placements), share, sum(name == "all_reduce" for name, _ in log),
+                       (hi - lo).abs().max().item())
     print0(f"fully_shard(model, mesh=M)   {'placements':<28} share/rank  all_reduce/step  replicas differ by")
     for label, (placements, share, all_reduces, spread) in rows.items():
         print0(f"  {label:<26} {placements:<28} {share:>10.3f}  {all_reduces:>15}  {spread:.2e}")
     (_, flat, _, _), (_, two_d, _, _), (_, _, _, drift) = rows.values()
-    if mesh.shape[0] > 1 and not (two_d > flat and drift > args.tol):  # the demonstration must show both
+    # Adam's first step moves a weight by about lr whatever the size of its gradient: replicas that saw
+    # different batches, unreduced, differ by up to 2 lr; lr / 10 tells that from rounding.
+    if mesh.shape[0] > 1 and not (two_d > flat and drift > args.lr / 10):  # the demonstration must show both
         raise RuntimeError(f"expected the 2-D mesh to hold more than the 1-D ({two_d} vs {flat}) and "
                            f'mesh["shard"] to let the replicas drift apart ({drift:.1e})')
     return two_d, flat
@@ -178,7 +182,7 @@ def measure_mesh_mistakes(reference, mesh, x, y, args, ctx):
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument("--replicas", type=int, default=None,
-                        help="R, the size of mesh dim 0 (default: 2 if the world size is even and at least 4, else 1)")
+                        help="R, the size of mesh dim 0 (default: 2 if the world size is even and >= 4, else 1)")
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--batch", type=int, default=48, help="global batch, divisible by the world size")

@@ -318,3 +318,14 @@ def test_the_check_catches_a_bad_flag_a_missing_lesson_and_a_bad_link(tmp_path):
     assert [c["line"] for c in commands] == [5, 8, 9, 10], commands
     codes = [c["result"]["code"] for c in check_commands(commands)]
     assert codes[:3] == [2, 2, 2] and codes[3] == "primitives/no_such.py does not exist", codes
+
+
+@pytest.mark.quick
+def test_no_merge_conflict_markers_in_tracked_files():
+    # a merge that kept both sides by hand once committed "<<<<<<< HEAD" into two README tables
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    marked = [f"{name}:{i}" for name in files if name.endswith((".py", ".md", ".sh", ".toml", ".txt", ".sbatch"))
+              and (ROOT / name).exists()
+              for i, line in enumerate((ROOT / name).read_text(errors="replace").splitlines(), 1)
+              if re.match(r"(<{7}|>{7}) |={7}$", line)]
+    assert not marked, f"merge conflict markers at {marked}"

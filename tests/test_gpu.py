@@ -84,6 +84,7 @@ LESSONS = {
     "transformer_basics/pipeline_parallel.py": dict(min_ranks=1, gloo_cuda=False),
     "transformer_basics/benchmark.py": dict(min_ranks=1, gloo_cuda=True, divides=24,
                                            args=["--steps", "6", "--warmup", "2"]),
+    "transformer_basics/expert_parallel.py": dict(min_ranks=1, gloo_cuda=True, divides=8),
 }
 # Not here, with the reason: primitives/weight_sync_two_jobs.py runs as two jobs (test_weight_sync_two_jobs
 # below); launch/spawn_template.py is a CPU/Gloo template that starts its own

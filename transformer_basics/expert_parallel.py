@@ -10,8 +10,8 @@ Both token exchanges are the differentiable functional all_to_all, so backward s
 same way back. Load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4), on each rank's tokens:
   aux = E * sum_e f_e * P_e,  f_e = share of the T*k (token, choice) pairs routed to e (no gradient),
                               P_e = mean router probability of e over the T tokens;  1 when uniform.
-Checked against the same MoE on one process (float64, the global batch): output, aux loss, and the
-gradients of the input, the router and every expert's weights on the rank that owns it.
+The ranks compute in float32 (no TF32), checked against the same MoE on one process (float64, the global
+batch): output, aux loss, the gradients of the input, the router and every expert's weights on its owner.
 
     torchrun --nproc_per_node=2 transformer_basics/expert_parallel.py
     python transformer_basics/expert_parallel.py --nproc 4 --experts 16 --tokens 64 --dim 64
@@ -107,7 +107,7 @@ def reference(args, N):
     probs = F.softmax(x @ router.T, dim=-1)
     weights, expert = probs.topk(args.top_k, dim=-1)
     all_out = F.gelu(torch.einsum("td,edh->eth", x, w1)) @ w2  # (E, N*T, dim)
-    chosen = all_out[expert, torch.arange(len(x)).unsqueeze(1)]  # (N*T, k, dim)
+    chosen = all_out[expert, torch.arange(len(x), device="cpu").unsqueeze(1)]  # (N*T, k, dim)
     out = (weights.unsqueeze(-1) / weights.sum(-1, keepdim=True).unsqueeze(-1) * chosen).sum(1)
     auxes = []
     for p, e in zip(probs.split(args.tokens), expert.split(args.tokens)):  # rank by rank, as the ranks do

@@ -53,7 +53,7 @@ def main(args, ctx):
     recv_counts = torch.empty_like(send_counts)  # [source rank][local expert], from step 1
     if not args.no_count_exchange:
         dist.all_to_all_single(recv_counts, send_counts)  # step 1: E/N counts to each rank
-    else:  # for the tests: guess "each rank sends me what I send it"; the splits disagree
+    else:  # for the tests: guess that every rank routes to my experts as I do; the splits disagree
         recv_counts = send_counts[mine].repeat(N)
     send_splits = send_counts.view(N, local).sum(1).tolist()  # rows to each rank (host ints: a sync)
     recv_splits = recv_counts.view(N, local).sum(1).tolist()  # rows from each rank

@@ -3,8 +3,8 @@
 DTensor.redistribute(mesh, [placement]) changes how a tensor is laid out over the mesh. CommDebugMode
 (torch.distributed.tensor.debug) counts the collectives that run inside it, so the lesson finds, for
 each pair, the call DTensor makes: Shard -> Replicate an all_gather, Partial -> Replicate an all_reduce,
-Partial -> Shard a reduce_scatter, Shard(0) -> Shard(1) an all_to_all (on CPU an all_gather and a chunk:
-Gloo has no all_to_all for it), Replicate -> Shard nothing at all (each rank keeps its chunk).
+Partial -> Shard a reduce_scatter, Shard(0) -> Shard(1) an all_to_all (on a CPU mesh DTensor falls back to an
+all_gather and a chunk: torch/distributed/tensor/_collective_utils.py), Replicate -> Shard nothing at all.
 distribute_tensor and full_tensor are in the table too. Each result is checked against the plain tensor.
 The placements themselves: dtensor_basics.py.
 

@@ -93,15 +93,18 @@ def check_random(args, ctx, noise):
     """On CPU DTensor has no RNG tracker (OffsetBasedRNGTracker takes CUDA-like devices only, torch/distributed/
     tensor/_random.py): each rank draws its piece from its own generator, the same seed, so every shard starts
     with the same numbers. On CUDA the tracker moves each shard to its own offset in one Philox stream."""
-    local = noise.to_local()
-    gen = torch.Generator(device=ctx.device).manual_seed(args.seed)
-    own_draw = torch.equal(local, torch.rand(local.shape, generator=gen, device=ctx.device))
-    values = noise.full_tensor()
-    distinct = torch.unique(values).numel() == values.numel()
-    if ctx.device.type == "cpu" and not own_draw or ctx.device.type != "cpu" and not distinct:
-        raise RuntimeError(f"rank {ctx.rank}: rand_like on {ctx.device.type}: own draw {own_draw}, "
-                           f"all values distinct {distinct}")
-    return ctx.device.type == "cpu"
+    if ctx.device.type == "cpu":  # my piece: the first draws of a generator seeded like mine
+        local = noise.to_local()
+        own_draw = torch.rand(local.shape, generator=torch.Generator().manual_seed(args.seed), device="cpu")
+        if not torch.equal(local, own_draw):
+            raise RuntimeError(f"rank {ctx.rank}: rand_like on CPU did not draw from this rank's own generator")
+        return True
+    pieces = noise.full_tensor().split(-(-noise.shape[0] // ctx.world_size))  # CUDA: every shard, in rank order
+    repeats = [r for r, p in enumerate(pieces[1:], 1) if len(p) and torch.equal(p, pieces[0][:len(p)])]
+    if repeats:
+        raise RuntimeError(f"rank {ctx.rank}: rand_like on {ctx.device.type}: the shards of ranks {repeats} "
+                           "repeat rank 0's numbers")
+    return False
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def main(args, ctx):
     print_in_order(f"rows {rows.placements[0]} of {tuple(rows.shape)}: local piece {tuple(mine.shape)}, "
                    f"first row {mine[:1].tolist()}; noise {[round(v, 4) for v in noise.to_local().flatten()[:2].tolist()]}")
     check_pieces(ctx, full, rows, mine, rebuilt, size)
-    check_ops(ctx, full, w, terms, products, cols_w, total, op_comms)
+    check_ops(args, ctx, full, w, terms, products, cols_w, total, op_comms)
     same_draws = check_random(args, ctx, noise)
     print0(f"OK: {n} rows over {world} rank(s) as Shard(0) (pieces of {size} rows, the last ones smaller), "
            f"Replicate and Partial; from_local with shape, to_local, full_tensor and three ops match plain torch; "
@@ -71,7 +71,7 @@ def check_pieces(ctx, full, rows, mine, rebuilt, size):
             raise RuntimeError(f"rank {ctx.rank}: {name}(...).full_tensor() is not the full tensor")
 
 
-def check_ops(ctx, full, w, terms, products, cols_w, total, op_comms):
+def check_ops(args, ctx, full, w, terms, products, cols_w, total, op_comms):
     """Each op's placement and value against plain torch. Exact equality: every value is an integer below 2**24,
     so float32 holds each product and partial sum exactly (IEEE 754; TF32 is off above)."""
     world = ctx.world_size
@@ -79,10 +79,10 @@ def check_ops(ctx, full, w, terms, products, cols_w, total, op_comms):
             "rows @ w": (products, Shard(0), full @ w), "Shard(1) @ Shard(0)": (cols_w, Partial(), full @ w),
             "rows.sum()": (total, Partial(), full.sum())}
     for name, (d, placement, value) in want.items():
-        print0(f"{name}: placement {d.placements[0]}, full_tensor matches plain torch: "
-               f"{torch.equal(d.full_tensor(), value)}")
-        if d.placements != (placement,) or not torch.equal(d.full_tensor(), value):
-            raise RuntimeError(f"rank {ctx.rank}: {name} gave {d.placements}, {d.full_tensor().tolist()}; "
+        whole = d.to_local() if args.local_as_full else d.full_tensor()  # a Partial's piece is one term only
+        print0(f"{name}: placement {d.placements[0]}, full_tensor matches plain torch: {torch.equal(whole, value)}")
+        if d.placements != (placement,) or not torch.equal(whole, value):
+            raise RuntimeError(f"rank {ctx.rank}: {name} gave {d.placements}, {whole.tolist()}; "
                                f"plain torch {value.tolist()} ({placement})")
     if op_comms.get_total_counts() != 0:
         raise RuntimeError(f"the three ops communicated: {op_comms.get_comm_counts()}")
@@ -112,6 +112,9 @@ if __name__ == "__main__":
     parser.add_argument("--rows", type=int, default=10, help="rows of the tensor, sharded (10: uneven at 3 and 4 ranks)")
     parser.add_argument("--cols", type=int, default=4, help="columns of the tensor")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random draw")
-    test_flags(parser).add_argument("--from-local-without-shape", action="store_true",
-                                    help="DTensor.from_local without shape= and stride= (wrong when uneven)")
+    broken = test_flags(parser)
+    broken.add_argument("--from-local-without-shape", action="store_true",
+                        help="DTensor.from_local without shape= and stride= (wrong when uneven)")
+    broken.add_argument("--local-as-full", action="store_true",
+                        help="check the ops' results with to_local() instead of full_tensor()")
     run(main, parser.parse_args())

@@ -1,7 +1,7 @@
 """Issue 15: DTensor from scratch (primitives/dtensor_basics.py, dtensor_redistribute.py, dtensor_loss_parallel.py).
 Each lesson: real torchrun at 3 ranks (uneven pieces), `python lesson.py --nproc 2`, the warm launcher at 4; its
-taught step removed on purpose (from_local without shape, a relabel instead of redistribute, cross_entropy outside
-loss_parallel) must fail its check; a bad flag stops every rank with one line."""
+taught step removed on purpose (from_local without shape, to_local read as the value, a relabel instead of
+redistribute, cross_entropy outside loss_parallel) must fail its check; a bad flag stops every rank with one line."""
 import re
 
 import pytest
@@ -38,6 +38,12 @@ def test_dtensor_basics_from_local_without_shape_fails():
     result = run_lesson(BASICS, "--from-local-without-shape", nproc=3, launcher="warm", timeout=T)
     # 10 rows as 4, 4, 2: from_local assumes even pieces, local rows x 3 (12 on rank 0)
     assert_fails(result, "rank 0: from_local gave global shape (12, 4), not (10, 4)")
+
+
+def test_dtensor_basics_local_piece_is_not_the_value():
+    result = run_lesson(BASICS, "--local-as-full", nproc=3, launcher="warm", timeout=T)
+    assert_fails(result, "from_local(Partial): placement P(sum), full_tensor matches plain torch: False")
+    assert "rank 0: from_local(Partial) gave (P(sum),)" in result.output, result.output
 
 
 # What each move costs on Gloo/CPU, as the lesson counts it (Shard -> Shard: an all_gather and a chunk, since

@@ -22,6 +22,8 @@ from launch.dist_setup import lesson_parser, print0, print_in_order, run, test_f
 def main(args, ctx):
     rank, world, n = ctx.rank, ctx.world_size, args.rows
     ctx.require(n >= 1 and args.cols >= 1, f"--rows and --cols must be at least 1, got {n} and {args.cols}")
+    ctx.require((100 * n + args.cols) * n * args.cols < 2 ** 24, "--rows x --cols too large for the exact "
+                "float32 checks (the sum of all entries must stay below 2**24): try --rows 200 --cols 4")
     torch.backends.cuda.matmul.fp32_precision = "ieee"  # no TF32: the checks below are exact (see check_ops)
     full = 100 * torch.arange(n, device=ctx.device)[:, None] + torch.arange(args.cols, device=ctx.device)
     full, w = full.float(), (torch.arange(args.cols * 3, device=ctx.device) % 5 - 2).float().reshape(args.cols, 3)
@@ -47,8 +49,9 @@ def main(args, ctx):
     torch.manual_seed(args.seed)      # the same seed on every rank, as DTensor's random ops expect
     noise = torch.rand_like(rows)     # a random op on a sharded DTensor: what each rank draws is below
 
+    drawn = [round(v, 4) for v in noise.to_local().flatten()[:2].tolist()]
     print_in_order(f"rows {rows.placements[0]} of {tuple(rows.shape)}: local piece {tuple(mine.shape)}, "
-                   f"first row {mine[:1].tolist()}; noise {[round(v, 4) for v in noise.to_local().flatten()[:2].tolist()]}")
+                   f"first row {mine[:1].tolist()}; noise {drawn}")
     check_pieces(ctx, full, rows, mine, rebuilt, size)
     check_ops(args, ctx, full, w, terms, products, cols_w, total, op_comms)
     same_draws = check_random(args, ctx, noise)
@@ -109,7 +112,7 @@ def check_random(args, ctx, noise):
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--rows", type=int, default=10, help="rows of the tensor, sharded (10: uneven at 3 and 4 ranks)")
+    parser.add_argument("--rows", type=int, default=10, help="rows, sharded (10: uneven at 3 and 4 ranks)")
     parser.add_argument("--cols", type=int, default=4, help="columns of the tensor")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random draw")
     broken = test_flags(parser)

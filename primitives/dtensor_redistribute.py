@@ -23,8 +23,11 @@ from launch.dist_setup import lesson_parser, print0, print_in_order, run, test_f
 
 def main(args, ctx):
     rank, world = ctx.rank, ctx.world_size
-    ctx.require(args.rows >= 1 and args.cols >= 1, f"--rows and --cols must be at least 1, got {args.rows}, {args.cols}")
-    full = (100 * torch.arange(args.rows, device=ctx.device)[:, None] + torch.arange(args.cols, device=ctx.device)).float()
+    ctx.require(args.rows >= 1 and args.cols >= 1, f"--rows and --cols must be at least 1: {args.rows}, {args.cols}")
+    ctx.require((100 * args.rows + args.cols) * world * (world + 1) < 2 ** 24, "--rows too large for the exact "
+                "float32 checks (the Partial's sum must stay below 2**24): try --rows 1000")
+    full = 100 * torch.arange(args.rows, device=ctx.device)[:, None] + torch.arange(args.cols, device=ctx.device)
+    full = full.float()  # 100 * row + column: each value says where it sits
     mesh = init_device_mesh(ctx.device.type, (world,))
 
     s0, s1, rep = (distribute_tensor(full, mesh, [p]) for p in (Shard(0), Shard(1), Replicate()))

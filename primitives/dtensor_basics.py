@@ -85,8 +85,8 @@ def check_ops(args, ctx, full, w, terms, products, cols_w, total, op_comms):
         whole = d.to_local() if args.local_as_full else d.full_tensor()  # a Partial's piece is one term only
         print0(f"{name}: placement {d.placements[0]}, full_tensor matches plain torch: {torch.equal(whole, value)}")
         if d.placements != (placement,) or not torch.equal(whole, value):
-            raise RuntimeError(f"rank {ctx.rank}: {name} gave {d.placements}, {whole.tolist()}; "
-                               f"plain torch {value.tolist()} ({placement})")
+            raise RuntimeError(f"rank {ctx.rank}: {name}: placement {d.placements[0]} (expected {placement}), "
+                               f"value {'equal' if torch.equal(whole, value) else 'not equal'} to plain torch's")
     if op_comms.get_total_counts() != 0:
         raise RuntimeError(f"the three ops communicated: {op_comms.get_comm_counts()}")
     print0("the three ops ran on the local pieces: 0 collectives (the Partial ones wait for a reduction)")

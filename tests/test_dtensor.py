@@ -37,13 +37,18 @@ def test_dtensor_basics(nproc, launcher):
 def test_dtensor_basics_from_local_without_shape_fails():
     result = run_lesson(BASICS, "--from-local-without-shape", nproc=3, launcher="warm", timeout=T)
     # 10 rows as 4, 4, 2: from_local assumes even pieces, local rows x 3 (12 on rank 0)
-    assert_fails(result, "rank 0: from_local gave global shape (12, 4), not (10, 4)")
+    assert_fails(result, "from_local gave global shape")
+    # whichever rank stops first: it took its local rows x 3 for the global row count, not 10
+    rank, rows = map(int, re.search(r"rank (\d): from_local gave global shape \((\d+), 4\), not \(10, 4\)",
+                                    result.output).groups())
+    assert rows == 3 * chunk_sizes(10, 3)[rank], result.output
 
 
 def test_dtensor_basics_local_piece_is_not_the_value():
     result = run_lesson(BASICS, "--local-as-full", nproc=3, launcher="warm", timeout=T)
     assert_fails(result, "from_local(Partial): placement P(sum), full_tensor matches plain torch: False")
-    assert "rank 0: from_local(Partial) gave (P(sum),)" in result.output, result.output
+    assert re.search(r"rank \d: from_local\(Partial\): placement P\(sum\) \(expected P\(sum\)\), value not equal",
+                     result.output), result.output
 
 
 # What each move costs on Gloo/CPU, as the lesson counts it (Shard -> Shard: an all_gather and a chunk, since
@@ -77,7 +82,11 @@ def test_dtensor_redistribute(nproc, launcher):
 
 def test_dtensor_redistribute_relabel_fails():
     result = run_lesson(REDISTRIBUTE, "--relabel", nproc=3, launcher="warm", timeout=T)
-    assert_fails(result, "Shard(0) -> Replicate: my piece (4, 6) is not my R piece of the plain tensor")
+    assert_fails(result, "is not my R piece of the plain tensor")
+    # whichever rank stops first: the relabelled Shard(0) piece it kept, not the (10, 6) a Replicate holds
+    rank, rows = map(int, re.search(r"rank (\d): Shard\(0\) -> Replicate: my piece \((\d+), 6\) is not my R piece",
+                                    result.output).groups())
+    assert rows == chunk_sizes(10, 3)[rank], result.output
 
 
 @pytest.mark.parametrize("nproc,launcher", LAUNCHERS)
@@ -97,9 +106,6 @@ def test_dtensor_loss_parallel(nproc, launcher):
 def test_dtensor_loss_parallel_outside_the_context_gathers():
     result = run_lesson(LOSS, "--without-loss-parallel", nproc=2, launcher="warm", timeout=T)
     assert_fails(result, "the logits were gathered ({'all_gather_into_tensor': 1})")
-    # the values are still right: what loss_parallel saves is the gather, not correctness
-    errs = re.search(r"relative error (\S+), gradient (\S+) \(bound (\S+)\)", result.stdout)
-    assert errs and max(float(errs[1]), float(errs[2])) <= float(errs[3]), result.output
 
 
 @pytest.mark.parametrize("lesson,flag", [(BASICS, "--rows"), (REDISTRIBUTE, "--cols"), (LOSS, "--classes")])

@@ -5,12 +5,13 @@ and all_reduces each bucket as soon as its gradients are all ready, while autogr
 layers (DDP notes, "Internal Design"); after the first step it rebuilds the buckets "based on its real
 execution order in backward graph". With the default cap (25) the first bucket holds at most 1 MiB;
 gradient_as_bucket_view makes each .grad a view into its bucket: no copy, no second copy of the gradients
-in memory (all three: torch/nn/parallel/distributed.py, torch 2.13). The lesson times each Linear layer's backward (its output's
-gradient in, its weight's gradient accumulated) and each bucket's all_reduce (a comm hook: the call, then
-its future's completion) for four DDP settings; all four must train to one process's parameters.
+in memory (all three: torch/nn/parallel/distributed.py, torch 2.13). The lesson times each Linear layer's
+backward (its output's gradient in, its weight's gradient accumulated) and each bucket's all_reduce (a comm
+hook: the call, then its future's completion) for four DDP settings; all four must train to one process's
+parameters.
 
-On CPU Gloo's threads all_reduce on the same cores that run the backward: the order of the events
-is what to read here, not the times. On a GPU the times are CUDA events: a comm future's callback
+On CPU, Gloo adds the buckets on the same few cores that run the backward of every rank: read the order
+of the events here, not the times. On a GPU the times are CUDA events: a comm future's callback
 runs on a stream that waits for the NCCL kernel (Future.then, torch/futures/__init__.py), so an
 event recorded there marks the end of the all_reduce on the GPU, while the backward goes on.
 

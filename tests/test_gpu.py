@@ -83,6 +83,7 @@ LESSONS = {
     "fsdp_basics/zero_redundancy_optimizer.py": BATCH48,  # saves runs/zero_redundancy_optimizer.pt
     "fsdp_basics/fsdp_memory_plan.py": ANY,  # any N: the plan is made for the size it runs at
     "fsdp_basics/hsdp.py": BATCH48,  # and --replicas (default 2 at 4+ even ranks, else 1) divides N
+    "fsdp_basics/fsdp_overlap.py": BATCH48,
     "transformer_basics/train.py": dict(min_ranks=1, gloo_cuda=True, args=["--steps", "60"]),
     "transformer_basics/train_2d.py": dict(min_ranks=1, gloo_cuda=True, args=["--steps", "30"]),
     "transformer_basics/tensor_parallel.py": dict(min_ranks=1, gloo_cuda=True, divides=24),

@@ -75,6 +75,7 @@ LESSONS = {
     "ddp_basics/dataparallel_vs_ddp.py": dict(min_ranks=1, gloo_cuda=True, divides=96),
     "ddp_basics/benchmark_ddp.py": dict(min_ranks=1, gloo_cuda=True, divides=192),
     "ddp_basics/distributed_eval.py": ANY,  # any N: 100 samples pad at 3, 6, 7 and 8 GPUs, which it checks
+    "ddp_basics/ddp_overlap.py": ANY,  # any N: each rank trains on its own slice of generated data
     "fsdp_basics/zero_by_hand.py": BATCH48,  # N must divide --batch (48) since it reduce_scatters the batch
     "fsdp_basics/fsdp_minimal.py": BATCH48,
     "fsdp_basics/fsdp_mixed_precision.py": BATCH48,
@@ -85,6 +86,7 @@ LESSONS = {
     "fsdp_basics/zero_redundancy_optimizer.py": BATCH48,  # saves runs/zero_redundancy_optimizer.pt
     "fsdp_basics/fsdp_memory_plan.py": ANY,  # any N: the plan is made for the size it runs at
     "fsdp_basics/hsdp.py": BATCH48,  # and --replicas (default 2 at 4+ even ranks, else 1) divides N
+    "fsdp_basics/fsdp_overlap.py": BATCH48,
     "transformer_basics/train.py": dict(min_ranks=1, gloo_cuda=True, args=["--steps", "60"]),
     "transformer_basics/train_2d.py": dict(min_ranks=1, gloo_cuda=True, args=["--steps", "30"]),
     "transformer_basics/tensor_parallel.py": dict(min_ranks=1, gloo_cuda=True, divides=24),

@@ -53,7 +53,7 @@ CHECKS = {"manual_data_parallel.py": check_manual, "ddp_minimal.py": check_minim
 # (name, ranks, launcher): each lesson once under real torchrun (ddp_checkpoint's is the fixture below),
 # the other sizes through the harness's warm launcher (torchrun's environment, ranks forked)
 QUICK = [pytest.mark.quick]
-TORCHRUN = [pytest.param("manual_data_parallel.py", 2, "torchrun", marks=QUICK), ("manual_data_parallel.py", 3, "warm"),
+TORCHRUN = [("manual_data_parallel.py", 2, "torchrun"), pytest.param("manual_data_parallel.py", 3, "warm", marks=QUICK),
             ("ddp_minimal.py", 2, "torchrun"), pytest.param("ddp_minimal.py", 3, "warm", marks=QUICK),
             pytest.param("ddp_checkpoint.py", 3, "warm", marks=QUICK)]
 

@@ -59,7 +59,7 @@ def check_output(name, nproc, result):
 
 
 # Real torchrun at 2 ranks; at 3 the harness's warm launcher (torchrun's environment, ranks forked).
-@pytest.mark.parametrize("name,nproc", [pytest.param(n, k, marks=[pytest.mark.quick] * (k == 2))
+@pytest.mark.parametrize("name,nproc", [pytest.param(n, k, marks=[pytest.mark.quick] * (k == 3))  # quick: warm
                                         for n, sizes in LESSONS.items() for k in sizes])
 def test_torchrun(name, nproc):
     result = run_lesson(f"ddp_basics/{name}", nproc=nproc, launcher="torchrun" if nproc == 2 else "warm",

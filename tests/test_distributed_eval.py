@@ -29,7 +29,6 @@ def check_figures(result, nproc, samples=100):
     assert f"rank 0 gathered {samples} predictions for {samples} samples: 0 duplicates, 0 missing, 0 differ" in out, out
 
 
-@pytest.mark.quick
 def test_torchrun_2():
     result = run_lesson(LESSON, nproc=2, launcher="torchrun", timeout=TIMEOUT)
     assert "equals one process" in assert_ok(result)
@@ -42,7 +41,7 @@ def test_python_launcher_3():  # 3 does not divide 100: 2 padded samples
     check_figures(result, 3)
 
 
-@pytest.mark.parametrize("nproc", [1, 4])
+@pytest.mark.parametrize("nproc", [1, pytest.param(4, marks=pytest.mark.quick)])
 def test_warm(nproc):
     result = run_lesson(LESSON, nproc=nproc, launcher="warm", timeout=TIMEOUT)
     assert_ok(result)

@@ -34,7 +34,7 @@ LESSONS = {
 }
 REAL_TORCHRUN = 2  # each lesson's one run under real torchrun, as a reader starts it; at the other sizes
 # the harness's warm launcher forks the ranks from a process with torch imported (same environment)
-TORCHRUN_CASES = [pytest.param(name, n, id=f"{name}-np{n}", marks=[pytest.mark.quick] * (n == 2))
+TORCHRUN_CASES = [pytest.param(name, n, id=f"{name}-np{n}", marks=[pytest.mark.quick] * (n == 3))  # quick: warm
                   for name in LESSONS for n in (2, 3, 4)]
 PYTHON_NPROC = 2  # the launcher path is the same code at every size: the cheapest one shows it works
 

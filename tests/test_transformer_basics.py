@@ -182,7 +182,7 @@ def test_train_on_a_user_file_and_usage_errors(tmp_path):
 
 # Real torchrun once per lesson, `python lesson.py --nproc N` once; other sizes through the harness's warm
 # launcher (forked ranks).
-@pytest.mark.parametrize("nproc,extra", [(2, []), pytest.param(4, ["--sequence-parallel"], marks=pytest.mark.quick)])
+@pytest.mark.parametrize("nproc,extra", [pytest.param(2, [], marks=pytest.mark.quick), (4, ["--sequence-parallel"])])
 def test_tensor_parallel_equals_unsharded(nproc, extra):
     ok = assert_ok(run_lesson("transformer_basics/tensor_parallel.py", *extra, nproc=nproc,
                               launcher="torchrun" if nproc == 2 else "python", timeout=TIMEOUT))

@@ -39,7 +39,6 @@ def check_stages(result, nproc):
     assert len(totals) == nproc and len({t.split("] ")[1] for t in totals}) == 1, out  # every rank alike
 
 
-@pytest.mark.quick
 def test_stages_torchrun_2():
     result = run_lesson(STAGES, nproc=2, launcher="torchrun", timeout=TIMEOUT)
     assert "ZeRO-1 and ZeRO-2 by hand on 2 ranks match" in assert_ok(result)
@@ -52,6 +51,7 @@ def test_stages_python_3():  # 2,074 parameters: one flat buffer padded by 2 zer
     check_stages(result, 3)
 
 
+@pytest.mark.quick
 def test_stages_warm_4():
     result = run_lesson(STAGES, nproc=4, launcher="warm", timeout=TIMEOUT)
     assert_ok(result)

@@ -14,7 +14,8 @@ MASTER_PORT. Started as `python lesson.py --nproc N` it starts N processes itsel
 rendezvous on a free port of 127.0.0.1. Either way each rank picks its device and backend
 (CUDA+NCCL when every local rank has a GPU of its own, else CPU+Gloo; --backend/--device
 or DIST_BACKEND/DIST_DEVICE override), initialises the process group with a bounded
-timeout, runs main(args, ctx) and destroys the group on every path.
+timeout, runs main(args, ctx) and destroys the group on every path. The device choice lives in
+launch/devices.py and the print helpers in launch/printing.py; lessons import both from here.
 """
 import argparse
 import datetime
@@ -29,9 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-class UsageError(Exception):
-    """The lesson was started wrongly: each rank prints one line and exits with code 2."""
+from launch.devices import UsageError, choose_device, cores, default_nproc
+from launch.printing import _write, print0, print_in_order, print_rank  # noqa: F401 (the lessons import them from here)
 
 
 @dataclass(frozen=True)
@@ -92,38 +92,6 @@ def test_flags(parser):
                                      "to show that a check fails)")
 
 
-def choose_device(local_rank, local_world_size, backend=None, device=None):
-    """Return (torch.device, backend name) for this rank, or raise UsageError."""
-    accel = torch.accelerator.current_accelerator()  # None on a machine without GPUs
-    n_accel = torch.accelerator.device_count() if accel is not None else 0
-    asked = f"--device {device}" if device else f"--backend {backend}"
-    if device is None:
-        if backend is None:
-            device = accel.type if accel is not None and n_accel >= local_world_size else "cpu"
-        else:
-            device = "cpu" if backend == "gloo" else (accel.type if accel is not None else "cuda")
-    try:
-        device_type = torch.device(device).type
-    except RuntimeError:
-        raise UsageError(f"unknown device {device!r}: use cpu or cuda") from None
-    if device_type != "cpu" and (accel is None or accel.type != device_type or n_accel == 0):
-        raise UsageError(f"{asked} needs a {device_type} device and this machine has none: "
-                         "use --backend gloo (CPU)")
-    backend = backend or dist.get_default_backend_for_device(device_type)
-    if not dist.is_backend_available(backend):
-        raise UsageError(f"backend {backend!r} is not available in this build of torch: use --backend gloo")
-    if device_type == "cpu":
-        return torch.device("cpu"), backend
-    if backend != "gloo" and n_accel < local_world_size:
-        raise UsageError(f"{local_world_size} ranks on this node but only {n_accel} {device_type} device(s): "
-                         f"{backend} needs one per rank; start at most {n_accel} per node or use --backend gloo")
-    return torch.device(device_type, local_rank % n_accel), backend
-
-
-def _cores():
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
 def _run_rank(main, args, init=True):
     """Run main on this process as one rank; return the exit code."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -132,7 +100,7 @@ def _run_rank(main, args, init=True):
     try:
         device, backend = choose_device(local_rank, local_world_size, args.backend, args.device)
         if device.type == "cpu":  # share the cores, so that N ranks do not fight over them
-            torch.set_num_threads(max(1, _cores() // local_world_size))
+            torch.set_num_threads(max(1, cores() // local_world_size))
         else:
             torch.accelerator.set_device_index(device.index)
         if init:
@@ -177,14 +145,6 @@ def reserve_port():
     return s
 
 
-def default_nproc(args):
-    """`python lesson.py` without --nproc: one rank per GPU, else 2, and at least the lesson's min_ranks
-    (a lesson that needs a peer still runs on a 1-GPU machine: its 2 ranks fall back to CPU + Gloo)."""
-    wants_cpu = args.backend == "gloo" or args.device == "cpu"
-    gpus = torch.accelerator.device_count() if not wants_cpu else 0
-    return max(gpus or 2, getattr(args, "min_ranks", 1))
-
-
 def run(main, args, init_process_group=True):
     """Run main(args, ctx) on every rank: under torchrun as is, else spawn args.nproc ranks.
 
@@ -218,38 +178,3 @@ def run(main, args, init_process_group=True):
             held.close()
 
 
-def _rank():
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
-
-
-def _tag():
-    return f"[rank {_rank()}]"
-
-
-def _write(text):
-    # One write call per message: print(a, b) makes a write per argument and one for the newline,
-    # and with unbuffered output (python -u, PYTHONUNBUFFERED) the ranks' pieces mix on a shared
-    # terminal or pipe. A single write of up to 4 KiB to a pipe is never split (POSIX PIPE_BUF).
-    sys.stdout.write(text + "\n")
-    sys.stdout.flush()
-
-
-def print_rank(*values):
-    """Print one line prefixed with this rank."""
-    _write(" ".join(map(str, (_tag(), *values))))
-
-
-def print0(*values):
-    """Print on rank 0 only."""
-    if _rank() == 0:
-        _write(" ".join(map(str, values)))
-
-
-def print_in_order(*values, group=None):
-    """Every rank of group calls this; its first rank prints all lines in rank order."""
-    text = "\n".join(f"{_tag()} {line}" for line in " ".join(map(str, values)).splitlines() or [""])
-    first = dist.get_global_rank(group, 0) if group is not None else 0
-    lines = [None] * dist.get_world_size(group) if dist.get_rank() == first else None
-    dist.gather_object(text, lines, dst=first, group=group)  # pickles: fine between our own ranks
-    if lines is not None:
-        _write("\n".join(lines))

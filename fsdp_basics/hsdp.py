@@ -157,6 +157,8 @@ def measure_mesh_mistakes(reference, mesh, x, y, args, ctx):
         fully_shard(probe, mesh=probe_mesh)
         opt = torch.optim.Adam(probe.parameters(), lr=args.lr)
         xb, yb = rank_batch(x, y, 0, args.batch, ctx)
+        if args.same_probe_batch:  # every rank the same rows: replicas agree even without their all_reduce
+            xb, yb = x[:len(xb)], y[:len(yb)]
         with record_collectives([]) as log:
             F.cross_entropy(probe(xb), yb).backward()
         opt.step()
@@ -189,6 +191,9 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--tol", type=float, default=1e-4, help="largest |HSDP - one process| (loss, params)")
-    test_flags(parser).add_argument("--shard-mesh-only", action="store_true",
-                                    help='train with mesh["shard"] (1-D): no all_reduce across replicas')
+    broken = test_flags(parser)
+    broken.add_argument("--shard-mesh-only", action="store_true",
+                        help='train with mesh["shard"] (1-D): no all_reduce across replicas')
+    broken.add_argument("--same-probe-batch", action="store_true",
+                        help="the mistakes table's probes all see one batch: the missing all_reduce goes unseen")
     run(main, parser.parse_args())

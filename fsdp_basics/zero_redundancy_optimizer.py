@@ -42,7 +42,8 @@ def main(args, ctx):
     torch.manual_seed(0)  # the same initial model on every rank (drawn on the CPU, then moved)
     model = BlockMLP(args.width, args.depth).to(ctx.device)
     ddp = DDP(model, device_ids=None if ctx.device.type == "cpu" else [ctx.device])
-    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=args.lr)
+    params = list(ddp.parameters())[:-1] if args.leave_out_last else ddp.parameters()
+    opt = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.Adam, lr=args.lr)
     start = load(args.checkpoint, model, opt, args, ctx) if args.resume else 0
     ctx.require(start <= end, f"the checkpoint is at step {start}, past --stop-at/--steps {end}")
     for step in range(start, end):
@@ -134,6 +135,9 @@ if __name__ == "__main__":
     parser.add_argument("--batch", type=int, default=48, help="global batch, divisible by the world size")
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--tol", type=float, default=1e-4, help="largest |ZeRO - one process| (params, state)")
-    test_flags(parser).add_argument("--skip-optimizer-load", action="store_true",
-                                    help="--resume loads the model but not the optimizer state")
+    broken = test_flags(parser)
+    broken.add_argument("--skip-optimizer-load", action="store_true",
+                        help="--resume loads the model but not the optimizer state")
+    broken.add_argument("--leave-out-last", action="store_true",
+                        help="give the optimizer every parameter but the last: no rank's shard holds it")
     run(main, parser.parse_args())

@@ -13,6 +13,7 @@ primitives/device_mesh.py; which collective each change of placement costs: dten
 Docs: https://pytorch.org/docs/stable/distributed.tensor.html
 """
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
@@ -46,7 +47,8 @@ def main(args, ctx):
         products = rows @ w_all        # Shard(0): my rows of the product
         cols_w = cols @ w_rows         # Partial: my columns' share of every entry of the product
         total = rows.sum()             # Partial: the sum of my rows
-    torch.manual_seed(args.seed)      # the same seed on every rank, as DTensor's random ops expect
+    # the same seed on every rank, as DTensor's random ops expect (--seed-per-rank: the tests' mistake)
+    torch.manual_seed(args.seed + (ctx.rank if args.seed_per_rank else 0))
     noise = torch.rand_like(rows)     # a random op on a sharded DTensor: what each rank draws is below
 
     drawn = [round(v, 4) for v in noise.to_local().flatten()[:2].tolist()]
@@ -99,8 +101,12 @@ def check_random(args, ctx, noise):
     if ctx.device.type == "cpu":  # my piece: the first draws of a generator seeded like mine
         local = noise.to_local()
         own_draw = torch.rand(local.shape, generator=torch.Generator().manual_seed(args.seed), device="cpu")
-        if not torch.equal(local, own_draw):
-            raise RuntimeError(f"rank {ctx.rank}: rand_like on CPU did not draw from this rank's own generator")
+        drew_it = torch.tensor([float(torch.equal(local, own_draw))], device=ctx.device)
+        every = torch.empty(ctx.world_size, device=ctx.device)
+        dist.all_gather_single(every, drew_it)  # every rank learns who failed: no rank prints OK alone
+        if not every.all():
+            raise RuntimeError(f"rand_like on CPU: ranks {every.eq(0).nonzero().flatten().tolist()} did not draw "
+                               f"what a generator seeded with --seed {args.seed} draws: seed every rank alike")
         return True
     pieces = noise.full_tensor().split(-(-noise.shape[0] // ctx.world_size))  # CUDA: every shard, in rank order
     repeats = [r for r, p in enumerate(pieces[1:], 1) if len(p) and torch.equal(p, pieces[0][:len(p)])]
@@ -120,4 +126,5 @@ if __name__ == "__main__":
                         help="DTensor.from_local without shape= and stride= (wrong when uneven)")
     broken.add_argument("--local-as-full", action="store_true",
                         help="check the ops' results with to_local() instead of full_tensor()")
+    broken.add_argument("--seed-per-rank", action="store_true", help="seed rank r with --seed + r before rand_like")
     run(main, parser.parse_args())

@@ -51,6 +51,12 @@ def test_dtensor_basics_local_piece_is_not_the_value():
                      result.output), result.output
 
 
+def test_dtensor_basics_a_seed_per_rank_fails_the_random_check():
+    result = run_lesson(BASICS, "--seed-per-rank", nproc=2, launcher="warm", timeout=T)
+    assert_fails(result, "rand_like on CPU: ranks [1] did not draw what a generator seeded with --seed 0 draws",
+                 within=2)
+
+
 # What each move costs on Gloo/CPU, as the lesson counts it (Shard -> Shard: an all_gather and a chunk, since
 # DTensor's shard_dim_alltoall falls back on CPU: torch/distributed/tensor/_collective_utils.py).
 CPU_TABLE = {"distribute_tensor -> Shard(0)": ("scatter x1", "S(0)"),

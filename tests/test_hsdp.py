@@ -62,6 +62,14 @@ def test_shard_mesh_only_fails_the_collectives_check():
                      result.stdout, re.M), result.output
 
 
+def test_the_mistakes_table_needs_different_batches_per_replica():
+    """With one batch on every rank the replicas of mesh["shard"] agree without their all_reduce: the lesson's
+    demonstration must then fail rather than print a table that shows nothing."""
+    result = run_lesson(LESSON, "--same-probe-batch", nproc=4, launcher="warm", timeout=T)
+    assert_fails(result, 'RuntimeError: expected the 2-D mesh to hold more than the 1-D')
+    assert re.search(r'mesh\["shard"\] to let the replicas drift apart \(0\.0', result.output), result.output
+
+
 def test_replicas_must_divide_the_world():
     result = run_lesson(LESSON, "--replicas", "3", nproc=2, launcher="warm", timeout=T)
     assert_fails(result, "error: --replicas 3 must be at least 1 and divide the 2 ranks", within=2)

@@ -130,6 +130,12 @@ def test_zro_resume_without_optimizer_state_fails(saved_at_2, tmp_path):
     assert_fails(result, "ZeroRedundancyOptimizer differs from plain Adam by")
 
 
+def test_zro_a_parameter_outside_every_shard_fails_the_shard_check(tmp_path):
+    result = run_lesson(ZRO, "--leave-out-last", "--checkpoint", str(tmp_path / "z.pt"), nproc=2, launcher="warm",
+                        timeout=TIMEOUT)
+    assert_fails(result, "the ranks' optimizer shards hold [7, 2070] tensors/elements, not [8, 2074]")
+
+
 def test_zro_bad_stop_at():
     assert_fails(run_lesson(ZRO, "--stop-at", "11", nproc=2, launcher="warm", timeout=TIMEOUT),
                  "--stop-at must be between 0 and --steps (10)", within=2)

@@ -78,7 +78,13 @@ def checksum(result):
     return float(re.search(r"params checksum ([\d.]+)", result.stdout).group(1))
 
 
-@pytest.mark.quick
+@pytest.mark.quick  # fsdp_checkpoint's run in the quick tier; the crash-and-reshard test below is the thorough one
+def test_checkpoint_runs_on_the_warm_launcher(tmp_path):
+    ok = assert_ok(run_lesson("fsdp_basics/fsdp_checkpoint.py", "--dir", tmp_path / "ck", nproc=2, launcher="warm",
+                              timeout=TIMEOUT))
+    assert "on 2 ranks" in ok, ok
+
+
 def test_checkpoint_reshard_and_crash(tmp_path):
     lesson, ck = "fsdp_basics/fsdp_checkpoint.py", tmp_path / "ck"
     # 2 ranks save steps 2 and 4, then crash inside the save of step 6, before it is published.

@@ -125,10 +125,10 @@ def time_split(mine, chunks, args, ctx):
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__, min_ranks=2)
-    parser.add_argument("--sizes", default="1,3,1001,65537",
+    parser.add_argument("--sizes", default="3,1001,65537",
                         help="tensor lengths, comma-separated (default includes some smaller than N x chunks)")
     parser.add_argument("--chunks", default="1,2,4", help="chunks per segment to try, comma-separated (1: plain)")
-    parser.add_argument("--iters", type=int, default=5, help="timed calls per size and way")
+    parser.add_argument("--iters", type=int, default=3, help="timed calls per size and way")
     test_flags(parser).add_argument("--reduce-before-wait", action="store_true",
                                     help="add each received chunk before its receive has completed")
     run(main, parser.parse_args())

@@ -2,14 +2,15 @@
 
 Each of the N segments is cut further into C chunks, and one (step, chunk) pair is a job. The plain ring
 waits for a whole segment, adds it, and only then sends the next: the wire sits idle while the adds run.
-Here job k+1's send and receive are posted (batch_isend_irecv, non-blocking) before job k is waited on
-and reduced, in both phases, with two receive buffers in turn. A job sends what the job C earlier
-received (the same chunk, one step before), so with C = 1 nothing can go ahead: that is the plain ring.
+Here the next jobs' sends and receives are posted (batch_isend_irecv, non-blocking) before job k is
+waited on and reduced, in both phases. A job sends what the job C earlier received (the same chunk, one
+step before), so up to C jobs can be in flight, each with a receive buffer of its own; with C = 1
+nothing can go ahead: that is the plain ring.
 Checked bit for bit against a plain sum and dist.all_reduce (integer-valued floats), then timed against
 the plain ring and dist.all_reduce, with where each rank's time went (posting, waiting, adding).
 
     torchrun --nproc_per_node=4 primitives/ring_all_reduce_pipelined.py
-    python primitives/ring_all_reduce_pipelined.py --nproc 4 --sizes 1048576,4194304 --chunks 2,4,8 --iters 20
+    python primitives/ring_all_reduce_pipelined.py --nproc 4 --sizes 1048576,4194304 --chunks 1,2,4,8 --iters 10
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.batch_isend_irecv
 """
@@ -18,8 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 from launch.dist_setup import lesson_parser, print0, print_in_order, run, test_flags
-from ring_all_reduce import check_matches_plain_sum_and_library, data_of, library_all_reduce, ms_per_call, \
-    ring_all_reduce, sizes_ok
+from ring_all_reduce import check_matches_plain_sum_and_library, data_of, library_all_reduce, ring_all_reduce, \
+    sizes_ok
 
 
 def pipelined_ring_all_reduce(tensor, rank, world, chunks, spent=None, reduce_before_wait=False):
@@ -29,21 +30,21 @@ def pipelined_ring_all_reduce(tensor, rank, world, chunks, spent=None, reduce_be
     steps = [((rank - s) % world, (rank - s - 1) % world, True) for s in range(world - 1)]  # reduce-scatter
     steps += [((rank + 1 - s) % world, (rank - s) % world, False) for s in range(world - 1)]  # all-gather
     jobs = [(pieces[i][c], pieces[j][c], add) for i, j, add in steps for c in range(chunks)]  # (send, recv, add?)
-    spare = torch.empty(2, pieces[0][0].numel(), dtype=tensor.dtype, device=tensor.device)  # [0][0]: the longest
+    spare = torch.empty(chunks, pieces[0][0].numel(), dtype=tensor.dtype, device=tensor.device)  # [0][0]: longest
     clock = {"post": 0.0, "wait": 0.0, "add": 0.0}
 
     def post(k):
         send, recv, add = jobs[k]
-        into = spare[k % 2, :recv.numel()] if add else recv  # all-gather: straight into place
+        into = spare[k % chunks, :recv.numel()] if add else recv  # all-gather: straight into place
         ops = [dist.P2POp(dist.isend, send, right)] if send.numel() else []  # every rank skips the same
         ops += [dist.P2POp(dist.irecv, into, left)] if into.numel() else []  # empty pieces
         return into, dist.batch_isend_irecv(ops) if ops else []
 
-    ahead, posted = min(2, chunks), []  # jobs in flight: job k+1 needs job k+1-C done, so C >= 2
+    posted = []
     for k, (_, recv, add) in enumerate(jobs):
         t0 = time.perf_counter()
-        while len(posted) < min(k + ahead, len(jobs)):
-            posted.append(post(len(posted)))  # the next job's transfer starts now, before this one is added
+        while len(posted) < min(k + chunks, len(jobs)):  # job k+C needs job k added: C in flight at most
+            posted.append(post(len(posted)))  # the next jobs' transfers start now, before this one is added
         into, works = posted[k]
         t1 = time.perf_counter()
         if add and reduce_before_wait:  # the bug: may add a buffer that is still being received into
@@ -52,7 +53,7 @@ def pipelined_ring_all_reduce(tensor, rank, world, chunks, spent=None, reduce_be
             work.wait()
         t2 = time.perf_counter()
         if add and not reduce_before_wait:
-            recv.add_(into)  # the overlap: job k+1's bytes move while this add runs
+            recv.add_(into)  # the overlap: the next jobs' bytes move while this add runs
         clock["post"] += t1 - t0
         clock["wait"] += t2 - t1
         clock["add"] += time.perf_counter() - t2
@@ -92,19 +93,31 @@ def main(args, ctx):
     for chunks in chunk_counts:
         print_in_order(f"{chunks} chunk(s): {time_split(data_of(rank, n).to(ctx.device), chunks, args, ctx)}")
     print0(f"OK: the pipelined ring all-reduce ({', '.join(map(str, chunk_counts))} chunks per segment, the next "
-           f"chunk in flight while one is added) equals dist.all_reduce and a plain sum bit for bit on {world} "
+           f"chunks in flight while one is added) equals dist.all_reduce and a plain sum bit for bit on {world} "
            f"ranks at sizes {sizes}")
 
 
 def print_speeds(n, mine, chunk_counts, args, ctx):
-    """ms per call of each way, the slowest rank's; speed = dist.all_reduce's time / this way's time."""
+    """ms per call of each way and speed = dist.all_reduce's time / its time. The ways take turns, one call each
+    per round, so that a burst of load from elsewhere hits them alike; the median over rounds, slowest rank's."""
     ways = {"dist.all_reduce": library_all_reduce, "plain ring": ring_all_reduce}
     for chunks in chunk_counts:
         ways[f"pipelined, {chunks} chunk(s)"] = \
             lambda t, r, w, chunks=chunks: pipelined_ring_all_reduce(t, r, w, chunks)
-    ms = {name: ms_per_call(fn, mine, args, ctx) for name, fn in ways.items()}
-    for name, value in ms.items():
-        print0(f"{n:>9}  {name:<22} {value:>8.3f}  {ms['dist.all_reduce'] / value:>23.2f}x")
+    work, seconds = mine.clone(), {name: [] for name in ways}
+    for i in range(args.iters + 1):  # call 0 warms up: connections and buffers are set up on first use
+        for name, all_reduce in ways.items():
+            work.copy_(mine)
+            dist.barrier()  # every rank starts together: the time is the call's, not the ranks' skew
+            start = time.perf_counter()
+            all_reduce(work, ctx.rank, ctx.world_size)
+            if ctx.device.type != "cpu":
+                torch.accelerator.synchronize()
+            seconds[name] += [time.perf_counter() - start] if i else []
+    ms = torch.tensor([sorted(s)[len(s) // 2] * 1e3 for s in seconds.values()], device=ctx.device)
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    for name, value in zip(ways, ms.tolist()):
+        print0(f"{n:>9}  {name:<22} {value:>8.3f}  {ms[0].item() / value:>23.2f}x")
 
 
 def time_split(mine, chunks, args, ctx):

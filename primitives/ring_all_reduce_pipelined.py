@@ -122,18 +122,18 @@ def print_speeds(n, mine, chunk_counts, args, ctx):
 
 def time_split(mine, chunks, args, ctx):
     """This rank's seconds in posting, waiting and adding, per call (measured inside the function)."""
-    spent, work = {}, mine.clone()
-    dist.barrier()
-    start = time.perf_counter()
+    spent, work, total = {}, mine.clone(), 0.0
     for _ in range(args.iters):
         work.copy_(mine)
+        dist.barrier()  # as in print_speeds: the ranks start each call together
+        start = time.perf_counter()
         pipelined_ring_all_reduce(work, ctx.rank, ctx.world_size, chunks, spent)
-    if ctx.device.type != "cpu":  # on a GPU the calls only enqueue: the GPU time shows as "other"
-        torch.accelerator.synchronize()
-    total = (time.perf_counter() - start) / args.iters
+        if ctx.device.type != "cpu":  # on a GPU the calls only enqueue: the GPU time shows as "other"
+            torch.accelerator.synchronize()
+        total += time.perf_counter() - start
     parts = {what: seconds / args.iters for what, seconds in spent.items()}
-    parts["other"] = total - sum(parts.values())
-    return f"total {total * 1e3:7.3f}  " + "  ".join(f"{what} {s * 1e3:7.3f}" for what, s in parts.items())
+    parts["other"] = total / args.iters - sum(parts.values())
+    return f"total {total / args.iters * 1e3:7.3f}  " + "  ".join(f"{what} {s * 1e3:7.3f}" for what, s in parts.items())
 
 
 if __name__ == "__main__":

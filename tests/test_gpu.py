@@ -60,6 +60,7 @@ LESSONS = {
     "primitives/dtensor_basics.py": ANY,
     "primitives/dtensor_redistribute.py": ANY,
     "primitives/dtensor_loss_parallel.py": ANY,
+    "primitives/ring_all_reduce_pipelined.py": P2P,
     "launch/print_env.py": ANY,
     "launch/legacy_launch.py": ANY,
     "launch/elastic.py": ANY,

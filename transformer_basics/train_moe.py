@@ -77,7 +77,7 @@ def main(args, ctx):
     reference = copy.deepcopy(model)  # for the check: the same dense weights
     first = mesh["ep"].get_local_rank() * (E // ep)  # my experts: first .. first + E/ep - 1
     for layer, block in model.blocks.items():
-        block.mlp = MoE(*init_moe(args, layer, ctx.device), first, E // ep, args.top_k, mesh["ep"].get_group())
+        block.mlp = MoE(*init_moe(args, layer), first, E // ep, args.top_k, mesh["ep"].get_group()).to(ctx.device)
     experts = [p for name, p in model.named_parameters() if name.endswith((".w1", ".w2"))]
     dense = [p for name, p in model.named_parameters() if not name.endswith((".w1", ".w2"))]  # router too
     expert_group = dist.group.WORLD if args.experts_over_world else mesh["dp"].get_group()
@@ -104,11 +104,11 @@ def main(args, ctx):
     check_against_one_process(reference, model, torch.stack(losses), corpus, first, args, ctx)
 
 
-def init_moe(args, layer, device):
-    """Router (E, C), W1 (E, C, hidden), W2 (E, hidden, C) of all E experts, the same on every rank."""
+def init_moe(args, layer):
+    """Router (E, C), W1 (E, C, hidden), W2 (E, hidden, C) of all E experts, the same on every rank (CPU)."""
     g = torch.Generator().manual_seed(args.seed * 1000 + int(layer))
     E, C, H = args.experts, args.n_embd, args.hidden
-    rand = lambda *shape, std: (torch.randn(shape, generator=g, device="cpu") * std).to(device)  # noqa: E731
+    rand = lambda *shape, std: torch.randn(shape, generator=g, device="cpu") * std  # noqa: E731
     return rand(E, C, std=C ** -0.5), rand(E, C, H, std=C ** -0.5), rand(E, H, C, std=0.02 / (2 * args.n_layer) ** 0.5)
 
 
@@ -147,7 +147,7 @@ def check_against_one_process(reference, model, losses, corpus, first, args, ctx
     and (k+1)-th router probabilities tie within rounding could pick another expert: pick another --seed."""
     N, local = ctx.world_size, args.experts // args.ep
     for layer, block in reference.blocks.items():
-        block.mlp = OneProcessMoE(*init_moe(args, layer, ctx.device), 0, args.experts, args.top_k, None)
+        block.mlp = OneProcessMoE(*init_moe(args, layer), 0, args.experts, args.top_k, None).to(ctx.device)
     optimizer = torch.optim.SGD(reference.parameters(), lr=args.lr)
     every_rank = [data.ShardedWindows(corpus, args.block_size, r, N, args.seed) for r in range(N)]
     ref_losses = torch.zeros(args.steps, device=ctx.device)

@@ -1,6 +1,6 @@
 """Issue 16: expert parallelism (transformer_basics/expert_parallel.py). Real torchrun at 2 ranks, `python lesson.py
 --nproc 1`, the warm launcher at 4 and at 3 (12 experts, top-3); each taught step removed on purpose (the count
-exchange, the differentiable all_to_all, the unsort before the combine) must fail; 8 experts on 3 ranks is refused."""
+exchange, the differentiable all_to_all, the unsort before the combine, the aux loss's gradient) must fail; 8 experts on 3 ranks is refused."""
 import re
 
 import pytest
@@ -69,6 +69,14 @@ def test_no_unsort_fails_the_output():
     result = run_lesson(LESSON, "--no-unsort", nproc=2, launcher="warm", timeout=T)
     assert_fails(result, "differs from one process beyond")
     assert re.search(r"beyond \S+: output \S+e\+00", result.output), result
+
+
+def test_aux_detached_fails_the_router_gradient():
+    # the aux loss keeps its value but sends the router no gradient: only the gradients through the router differ
+    result = run_lesson(LESSON, "--aux-detached", nproc=2, launcher="warm", timeout=T)
+    assert_fails(result, "differs from one process beyond")
+    assert re.search(r"beyond \S+: input gradient \S+, router gradient \S+e-0[1-3]$", result.output, re.M), result
+    assert re.search(r"max relative error: output \S+e-0[6-9], aux loss \S+e-0[6-9]", result.stdout), result
 
 
 def test_no_count_exchange_breaks_the_token_exchange():

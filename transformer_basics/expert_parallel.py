@@ -7,7 +7,8 @@ router is replicated. Top-k routing, dropless (every token reaches its k experts
   2. all_to_all_single of the token rows, uneven splits, then each local expert runs on its rows;
   3. the reverse all_to_all brings the results home, combined with the router's weights.
 Both token exchanges are the differentiable functional all_to_all, so backward sends the gradients the
-same way back. Load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4), on each rank's tokens:
+same way back (steps 1 to 3: dispatch_to_experts, above main; train_moe.py calls it on its ep group).
+Load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4), on each rank's tokens:
   aux = E * sum_e f_e * P_e,  f_e = share of the T*k (token, choice) pairs routed to e (no gradient),
                               P_e = mean router probability of e over the T tokens;  1 when uniform.
 The ranks compute in float32 (no TF32), checked against the same MoE on one process (float64, the global
@@ -32,6 +33,33 @@ from launch.dist_setup import lesson_parser, print0, print_in_order, run, test_f
 import torch.distributed._functional_collectives as funcol
 
 
+def dispatch_to_experts(x, expert, w1, w2, group, count_exchange=True, exchange=None, unsort=True):
+    """Steps 1 to 3 for the rows x (T, dim), each routed to the k experts of expert (T, k), over the ranks of
+    group; each rank holds len(w1) of them (the group's rank r: experts r*len(w1) ..). Returns the experts'
+    outputs per (token, choice), (T, k, dim), and the splits: rows sent to and received from each rank of
+    group, rows each local expert ran on. count_exchange, exchange, unsort: the tests' broken steps."""
+    N, local, k, me = dist.get_world_size(group), w1.shape[0], expert.shape[1], dist.get_rank(group)
+    order = expert.flatten().argsort(stable=True)  # the T*k (token, choice) rows, grouped by expert
+    send_counts = torch.bincount(expert.flatten(), minlength=N * local)  # rows for each expert, in expert order
+    recv_counts = torch.empty_like(send_counts)  # [source rank][local expert], from step 1
+    if count_exchange:
+        dist.all_to_all_single(recv_counts, send_counts, group=group)  # step 1: `local` counts to each rank
+    else:  # for the tests: guess that every rank routes to my experts as I do; the splits disagree
+        recv_counts = send_counts[me * local:(me + 1) * local].repeat(N)
+    send_splits = send_counts.view(N, local).sum(1).tolist()  # rows to each rank (host ints: a sync)
+    recv_splits = recv_counts.view(N, local).sum(1).tolist()  # rows from each rank
+    exchange = exchange or funcol.all_to_all_single_autograd
+    received = exchange(x[order // k], recv_splits, send_splits, group)  # step 2
+    which = torch.arange(local, device=x.device).repeat(N).repeat_interleave(recv_counts)
+    done = torch.zeros((len(received), w2.shape[-1]), dtype=x.dtype, device=x.device)
+    for j in range(local):  # a real MoE sorts the rows by expert and runs one grouped GEMM
+        rows = (which == j).nonzero().squeeze(1)
+        done = done.index_copy(0, rows, F.gelu(received[rows] @ w1[j]) @ w2[j])
+    back = exchange(done, send_splits, recv_splits, group)  # step 3: rows in `order`
+    per_choice = torch.zeros_like(back).index_copy(0, order, back) if unsort else back  # (token, choice) order
+    return per_choice.view(len(x), k, -1), (send_splits, recv_splits, recv_counts.view(N, local).sum(0).tolist())
+
+
 def main(args, ctx):
     N, E, k, local = ctx.world_size, args.experts, args.top_k, args.experts // ctx.world_size
     ctx.require(E % N == 0, f"--experts {E} must be a multiple of the {N} ranks: pick --experts {E // N * N or N} "
@@ -48,30 +76,13 @@ def main(args, ctx):
     probs = F.softmax(x @ router.T, dim=-1)  # (T, E)
     weights, expert = probs.topk(k, dim=-1)  # (T, k) each
     weights = weights / weights.sum(-1, keepdim=True)  # renormalised over the k chosen
-    order = expert.flatten().argsort(stable=True)  # the T*k (token, choice) rows, grouped by expert
-    send_counts = torch.bincount(expert.flatten(), minlength=E)  # rows for each expert, in expert order
-    recv_counts = torch.empty_like(send_counts)  # [source rank][local expert], from step 1
-    if not args.no_count_exchange:
-        dist.all_to_all_single(recv_counts, send_counts)  # step 1: E/N counts to each rank
-    else:  # for the tests: guess that every rank routes to my experts as I do; the splits disagree
-        recv_counts = send_counts[mine].repeat(N)
-    send_splits = send_counts.view(N, local).sum(1).tolist()  # rows to each rank (host ints: a sync)
-    recv_splits = recv_counts.view(N, local).sum(1).tolist()  # rows from each rank
-    exchange = funcol.all_to_all_single_autograd if not args.plain_all_to_all else plain_all_to_all
-    received = exchange(x[order // k], recv_splits, send_splits, dist.group.WORLD)  # step 2
-    which = torch.arange(local, device=ctx.device).repeat(N).repeat_interleave(recv_counts)
-    done = torch.zeros_like(received)
-    for j in range(local):  # a real MoE sorts the rows by expert and runs one grouped GEMM
-        rows = (which == j).nonzero().squeeze(1)
-        done = done.index_copy(0, rows, F.gelu(received[rows] @ w1[j]) @ w2[j])
-    back = exchange(done, send_splits, recv_splits, dist.group.WORLD)  # step 3: rows in `order`
-    per_choice = torch.zeros_like(back).index_copy(0, order, back)  # back to (token, choice) order
-    if args.no_unsort:  # for the tests: combine the rows in the order they came back (grouped by expert)
-        per_choice = back
-    per_choice = per_choice.view(args.tokens, k, args.dim)
+    per_choice, (send_splits, recv_splits, ran) = dispatch_to_experts(  # steps 1 to 3, on this group's ranks
+        x, expert, w1, w2, dist.group.WORLD, count_exchange=not args.no_count_exchange,
+        exchange=plain_all_to_all if args.plain_all_to_all else None, unsort=not args.no_unsort)
     out = (weights.unsqueeze(-1) * per_choice).sum(1)  # (T, dim)
-    f = send_counts.to(probs.dtype) / (args.tokens * k)
-    aux = E * (f * probs.mean(0)).sum()  # Switch eq. 4, on this rank's tokens
+    f = torch.bincount(expert.flatten(), minlength=E).to(probs.dtype) / (args.tokens * k)
+    P = probs.mean(0) if not args.aux_detached else probs.detach().mean(0)  # for the tests: P_e without gradient
+    aux = E * (f * P).sum()  # Switch eq. 4, on this rank's tokens; its gradient reaches the router through P
 
     # This rank's part of the global loss: MSE summed over the global batch, plus the aux losses' mean.
     target = torch.randn(x_all.shape, generator=torch.Generator().manual_seed(args.seed + 2), device="cpu")
@@ -80,8 +91,7 @@ def main(args, ctx):
     loss.backward()  # every rank: the backward all_to_alls are collectives too
     dist.all_reduce(router.grad)  # SUM, as DDP would (DDP averages: scale the loss by N there)
     print_in_order(f"experts {mine.start}..{mine.stop - 1}: sends {send_splits} rows to ranks 0..{N - 1}, "
-                   f"receives {recv_splits}; its experts run on {recv_counts.view(N, local).sum(0).tolist()} rows; "
-                   f"aux loss {aux.item():.4f}")
+                   f"receives {recv_splits}; its experts run on {ran} rows; aux loss {aux.item():.4f}")
     check(args, ctx, probs.detach(), out, aux, x.grad, router.grad, w1.grad, w2.grad, mine)
 
 
@@ -166,4 +176,6 @@ if __name__ == "__main__":
                         help="dist.all_to_all_single for the tokens (no autograd): the gradient checks fail")
     broken.add_argument("--no-unsort", action="store_true",
                         help="combine the returned rows without putting them back in token order")
+    broken.add_argument("--aux-detached", action="store_true",
+                        help="P_e of detached probabilities: the aux loss keeps its value, loses its gradient")
     run(main, parser.parse_args())

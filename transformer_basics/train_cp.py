@@ -14,7 +14,7 @@ the sequence length, and the collectives of one step per rank.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.batch_isend_irecv
       https://pytorch.org/tutorials/recipes/distributed_device_mesh.html
-      https://pytorch.org/docs/stable/autograd.html#hooks-for-saved-tensors
+      https://pytorch.org/docs/stable/autograd.html#torch.autograd.graph.saved_tensors_hooks
 """
 import copy
 
@@ -67,8 +67,8 @@ def main(args, ctx):
     ctx.require(cp >= 1 and W % cp == 0, f"--cp {cp} must divide the world size {W}: the ranks form a dp x cp grid")
     ctx.require(T % (2 * cp) == 0, f"--block-size {T} must be a multiple of 2 x --cp = {2 * cp}: each cp rank "
                                    f"takes two chunks of every window")
-    ctx.require(min(args.steps, B, args.n_layer, args.n_head) >= 1 and args.n_embd % args.n_head == 0,
-                "--steps, --batch-size, --n-layer, --n-head must be at least 1, --n-embd a multiple of --n-head")
+    ctx.require(min(args.steps, B, T, args.n_layer, args.n_head) >= 1 and args.n_embd % args.n_head == 0,
+                "--steps, --batch-size, --block-size, --n-layer, --n-head must be >= 1, --n-embd divide by --n-head")
     ctx.require(args.dropout == 0, "--dropout must be 0: ring attention here has no attention dropout")
     dp, tokens = W // cp, data.encode(data.generate_corpus(2000))
     ctx.require(not (problem := data.check_tokens(tokens, T, None)), str(problem))
@@ -132,7 +132,7 @@ def print_activation_memory(args, ctx, start, model, cp_rank):
 
 def activation_bytes(model, idx, pos, device):
     """Bytes of the tensors autograd saves for backward, each storage once, parameters left out (pack sees every
-    one, save_for_backward included: autograd docs above); on CUDA also the peak of max_memory_allocated."""
+    one, save_for_backward's too: torch/autograd/graph.py); on CUDA also the peak of max_memory_allocated."""
     x, y = (t[:, pos].to(device) for t in (idx[:, :-1], idx[:, 1:]))
     skip, seen, cuda = {p.untyped_storage().data_ptr() for p in model.parameters()}, {}, device.type == "cuda"
 

@@ -1,8 +1,9 @@
 """Issue 16, context parallelism: transformer_basics/ring_attention.py (causal zig-zag ring attention by hand)
 at 2 (torchrun), 3 (python --nproc) and 4 (warm) ranks, and transformer_basics/ulysses.py (all_to_all between a
 sequence split and a head split) at 2 (torchrun), 1 (python --nproc) and 4 (warm). Each is broken on purpose
-once (ring: partial outputs averaged instead of merged by their log-sum-exp; Ulysses: no transpose before the
-all_to_all back) and must fail its check; a bad size gets a one-line error."""
+once (ring: partial outputs averaged instead of merged by their log-sum-exp, or backward's last hop that brings
+dK, dV home skipped; Ulysses: no transpose before the all_to_all back) and must fail its check; a bad size gets a
+one-line error."""
 import re
 
 import pytest
@@ -48,6 +49,14 @@ def test_ring_attention_average_merge_fails():
     assert_fails(result, "differ from full causal attention")
     got = re.search(r"ring attention's (.+) differ from full causal attention \(max error (\S+) > bound", result.output)
     assert got and "output" in got[1] and float(got[2]) > 1e-3, result.output  # a real error, not rounding
+
+
+def test_ring_attention_without_home_hop_fails():
+    """Backward's last hop carries each rank's dK, dV home: without it a rank keeps its neighbour's."""
+    result = run_lesson(RING, "--no-home-hop", nproc=3, launcher="warm", timeout=T)
+    assert_fails(result, "differ from full causal attention")
+    got = re.search(r"ring attention's (.+) differ from full causal attention \(max error (\S+) > bound", result.output)
+    assert got and got[1] == "dk, dv" and float(got[2]) > 1e-3, result.output  # the output and dq are right
 
 
 def test_ring_attention_bad_seq_is_one_line():

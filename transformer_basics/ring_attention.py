@@ -23,12 +23,19 @@ import torch.nn.functional as F
 from launch.dist_setup import lesson_parser, print0, print_in_order, run, test_flags
 
 
-def ring_pass(t):
-    """Start sending t to the next rank and receiving the previous rank's into a new buffer."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+def ring_pass(t, group=None):
+    """Start sending t to the next rank of group (default: every rank) and receiving the previous rank's into
+    a new buffer. group_peer is a rank within the group (P2POp, torch/distributed/distributed_c10d.py, 2.13)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     got = torch.empty_like(t)
-    return dist.batch_isend_irecv([dist.P2POp(dist.isend, t, (rank + 1) % world),
-                                   dist.P2POp(dist.irecv, got, (rank - 1) % world)]), got
+    return dist.batch_isend_irecv([dist.P2POp(dist.isend, t, group=group, group_peer=(rank + 1) % world),
+                                   dist.P2POp(dist.irecv, got, group=group, group_peer=(rank - 1) % world)]), got
+
+
+def zigzag_positions(rank, world, seq):
+    """The positions rank r holds (train_cp.py too): chunks r and 2N-1-r of 2N, one from each end."""
+    c = seq // (2 * world)
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device="cpu") for i in (rank, 2 * world - 1 - rank)])
 
 
 def block(step, rank, world, c):
@@ -48,13 +55,15 @@ def scores(q, k, causal):
 
 
 class RingAttention(torch.autograd.Function):
+    """apply(q, k, v, group=None): the ring runs over group's ranks (default: every rank); the last two
+    arguments exist for the tests (lse_merge=False: --average-merge, home_hop=False: --no-home-hop)."""
     @staticmethod
-    def forward(ctx, q, k, v, lse_merge=True):  # (B, H, 2c, D): this rank's two chunks, in sequence order
-        rank, world, c = dist.get_rank(), dist.get_world_size(), q.shape[2] // 2
+    def forward(ctx, q, k, v, group=None, lse_merge=True, home_hop=True):  # (B, H, 2c, D): our 2 chunks in order
+        rank, world, c = dist.get_rank(group), dist.get_world_size(group), q.shape[2] // 2
         out, lse = torch.zeros_like(q), torch.full(q.shape[:3], float("-inf"), dtype=q.dtype, device=q.device)
         kv = torch.stack([k, v])
         for step in range(world):
-            reqs, nxt = ring_pass(kv) if step < world - 1 else ([], None)  # in flight while we compute
+            reqs, nxt = ring_pass(kv, group) if step < world - 1 else ([], None)  # in flight while we compute
             rows, cols, causal = block(step, rank, world, c)
             s = scores(q[:, :, rows], kv[0][:, :, cols], causal)
             lse_b = s.logsumexp(-1)
@@ -72,12 +81,14 @@ class RingAttention(torch.autograd.Function):
                 req.wait()
             kv = nxt
         ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.home_hop = group, home_hop
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        rank, world, c = dist.get_rank(), dist.get_world_size(), q.shape[2] // 2
+        group = ctx.group
+        rank, world, c = dist.get_rank(group), dist.get_world_size(group), q.shape[2] // 2
         delta = (dout * out).sum(-1, keepdim=True)  # sum_j p_ij dp_ij: the softmax's backward, per row
         dq = torch.zeros_like(q)
         kvd = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)])  # dK, dV travel with K, V
@@ -89,11 +100,11 @@ class RingAttention(torch.autograd.Function):
             dq[:, :, rows] += ds @ kb
             kvd[2][:, :, cols] += ds.transpose(-2, -1) @ q[:, :, rows]
             kvd[3][:, :, cols] += p.transpose(-2, -1) @ dout[:, :, rows]
-            if world > 1:  # after the last step only dK, dV move on: one hop brings them home
-                reqs, kvd = ring_pass(kvd if step < world - 1 else kvd[2:].contiguous())
+            if world > 1 and (step < world - 1 or ctx.home_hop):  # after the last step one hop brings dK, dV home
+                reqs, kvd = ring_pass(kvd if step < world - 1 else kvd[2:].contiguous(), group)
                 for req in reqs:
                     req.wait()
-        return dq, kvd[-2], kvd[-1], None
+        return dq, kvd[-2], kvd[-1], None, None, None
 
 
 def main(args, ctx):
@@ -105,11 +116,11 @@ def main(args, ctx):
     ctx.require_point_to_point()
     c = args.seq // (2 * world)
     chunks = (rank, 2 * world - 1 - rank)  # zig-zag: one chunk from each end, so causal work is even
-    mine = torch.cat([torch.arange(i * c, (i + 1) * c, device="cpu") for i in chunks])  # indexes CPU tensors
+    mine = zigzag_positions(rank, world, args.seq)  # on the CPU: it indexes CPU tensors
     q_all, k_all, v_all, dout_all = inputs(args)  # the whole sequence, the same on every rank (one seed)
 
     q, k, v = (t[:, :, mine].to(ctx.device).requires_grad_() for t in (q_all, k_all, v_all))
-    out = RingAttention.apply(q, k, v, not args.average_merge)
+    out = RingAttention.apply(q, k, v, None, not args.average_merge, not args.no_home_hop)
     out.backward(dout_all[:, :, mine].to(ctx.device))
 
     work = sum(len(range(2 * c)[rows]) * len(range(2 * c)[cols]) for rows, cols, _ in
@@ -118,7 +129,10 @@ def main(args, ctx):
                    f"{mine[c]}..{mine[-1]}; {world} ring step(s), {work} query-key scores computed "
                    f"(a contiguous split would give it {(rank + 1) * (2 * c) ** 2})")
     torch_context_parallel_note(ctx)
-    check_against_full_attention(args, ctx, mine, (q_all, k_all, v_all, dout_all), out, (q.grad, k.grad, v.grad))
+    check_against_full_attention(args, ctx, "ring attention", mine, (q_all, k_all, v_all, dout_all), out,
+                                 (q.grad, k.grad, v.grad))
+    print0(f"OK: causal ring attention over {world} rank(s) (zig-zag, {c} tokens per chunk) equals full attention "
+           f"on one process: output and the gradients of q, k, v")
 
 
 def torch_context_parallel_note(ctx):
@@ -136,7 +150,9 @@ def inputs(args):
     return [torch.randn(shape, generator=gen, dtype=torch.float64, device="cpu") for _ in range(4)]
 
 
-def check_against_full_attention(args, ctx, mine, full, out, grads):
+def check_against_full_attention(args, ctx, name, mine, full, out, grads):
+    """Shared with ulysses.py: this rank's output and q, k, v gradients (positions `mine` of the sequence)
+    against F.scaled_dot_product_attention on the whole sequence, one process; raises on a mismatch."""
     q_all, k_all, v_all, dout_all = (t.clone().requires_grad_(i < 3) for i, t in enumerate(full))
     ref = F.scaled_dot_product_attention(q_all, k_all, v_all, is_causal=True)  # one process, whole sequence
     ref.backward(dout_all)
@@ -146,18 +162,16 @@ def check_against_full_attention(args, ctx, mine, full, out, grads):
     # longest sums run over the sequence (seq) or a head (head_dim), a few are chained: 8 * (seq + head_dim) * eps.
     bound = 8 * (args.seq + args.head_dim) * 2.0 ** -52
     errors = {}
-    for name, got, want in zip(["output", "dq", "dk", "dv"], [out, *grads],
+    for what, got, want in zip(["output", "dq", "dk", "dv"], [out, *grads],
                                [ref, q_all.grad, k_all.grad, v_all.grad]):
         want = want[:, :, mine]
-        errors[name] = ((got.detach().cpu() - want).abs().max() / want.abs().max()).item()
+        errors[what] = ((got.detach().cpu() - want).abs().max() / want.abs().max()).item()
     print_in_order("max error vs full attention, relative to the largest entry: "
                    + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()) + f" (bound {bound:.1e})")
     bad = [n for n, e in errors.items() if not e <= bound]
     if bad:
-        raise RuntimeError(f"rank {ctx.rank}: ring attention's {', '.join(bad)} differ from full causal attention "
+        raise RuntimeError(f"rank {ctx.rank}: {name}'s {', '.join(bad)} differ from full causal attention "
                            f"(max error {max(errors.values()):.1e} > bound {bound:.1e})")
-    print0(f"OK: causal ring attention over {ctx.world_size} rank(s) (zig-zag, {args.seq // (2 * ctx.world_size)} "
-           f"tokens per chunk) equals full attention on one process: output and the gradients of q, k, v")
 
 
 if __name__ == "__main__":
@@ -167,6 +181,9 @@ if __name__ == "__main__":
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0, help="q, k, v and the output gradient")
-    test_flags(parser).add_argument("--average-merge", action="store_true",
-                                    help="merge the blocks' partial outputs by a plain average, not by their lse")
+    broken = test_flags(parser)
+    broken.add_argument("--average-merge", action="store_true",
+                        help="merge the blocks' partial outputs by a plain average, not by their lse")
+    broken.add_argument("--no-home-hop", action="store_true",
+                        help="in backward, skip the last hop that brings dK, dV to the rank that owns K, V")
     run(main, parser.parse_args())

@@ -17,7 +17,9 @@ Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_to_
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
 from launch.dist_setup import lesson_parser, print0, print_in_order, run, test_flags
+from ring_attention import check_against_full_attention, inputs  # the same inputs and check as ring attention
 
 # Torch 2.13 source, torch/distributed/_functional_collectives.py: all_to_all_single has autograd registered
 # (register_autograd on _c10d_functional::all_to_all_single; backward: all_to_all with the split sizes swapped).
@@ -54,39 +56,10 @@ def main(args, ctx):
 
     print_in_order(f"positions {rank * t}..{(rank + 1) * t - 1} of all {H} heads {tuple(q.shape)} -> "
                    f"heads {rank * h}..{(rank + 1) * h - 1} at all {T} positions {tuple(qh.shape)} -> back")
-    check_against_full_attention(args, ctx, (q_all, k_all, v_all, dout_all), out, (q.grad, k.grad, v.grad))
-
-
-def inputs(args):
-    gen = torch.Generator().manual_seed(args.seed)
-    shape = (args.batch, args.heads, args.seq, args.head_dim)
-    return [torch.randn(shape, generator=gen, dtype=torch.float64, device="cpu") for _ in range(4)]
-
-
-def check_against_full_attention(args, ctx, full, out, grads):
-    q_all, k_all, v_all, dout_all = (a.clone().requires_grad_(i < 3) for i, a in enumerate(full))
-    ref = F.scaled_dot_product_attention(q_all, k_all, v_all, is_causal=True)  # one process, whole sequence
-    ref.backward(dout_all)
-    # float64 (eps 2**-52) on every device: TF32 only ever replaces float32 matmuls (https://pytorch.org/docs/
-    # stable/notes/cuda.html#tensorfloat-32-tf32-on-ampere-and-later-devices). A sum of n terms errs by at most
-    # about n*eps of their sizes (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., 4.2); the
-    # longest sums run over the sequence (seq) or a head (head_dim), a few are chained: 8 * (seq + head_dim) * eps.
-    bound = 8 * (args.seq + args.head_dim) * 2.0 ** -52
-    t = args.seq // ctx.world_size
-    mine = slice(ctx.rank * t, (ctx.rank + 1) * t)
-    errors = {}
-    for name, got, want in zip(["output", "dq", "dk", "dv"], [out, *grads],
-                               [ref, q_all.grad, k_all.grad, v_all.grad]):
-        want = want[:, :, mine]
-        errors[name] = ((got.detach().cpu() - want).abs().max() / want.abs().max()).item()
-    print_in_order("max error vs full attention, relative to the largest entry: "
-                   + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()) + f" (bound {bound:.1e})")
-    bad = [n for n, e in errors.items() if not e <= bound]
-    if bad:
-        raise RuntimeError(f"rank {ctx.rank}: Ulysses attention's {', '.join(bad)} differ from full causal "
-                           f"attention (max error {max(errors.values()):.1e} > bound {bound:.1e})")
-    print0(f"OK: Ulysses attention over {ctx.world_size} rank(s) ({args.heads // ctx.world_size} head(s) each "
-           f"between two all_to_alls) equals full attention on one process: output and the gradients of q, k, v")
+    check_against_full_attention(args, ctx, "Ulysses attention", slice(rank * t, (rank + 1) * t),
+                                 (q_all, k_all, v_all, dout_all), out, (q.grad, k.grad, v.grad))
+    print0(f"OK: Ulysses attention over {world} rank(s) ({h} head(s) each between two all_to_alls) equals full "
+           f"attention on one process: output and the gradients of q, k, v")
 
 
 if __name__ == "__main__":

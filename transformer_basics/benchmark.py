@@ -194,6 +194,6 @@ if __name__ == "__main__":
     parser.add_argument("--batch-size", type=int, default=8, help="windows per rank per step")
     parser.add_argument("--tol", type=float, default=1e-3, help="largest loss spread accepted between modes")
     test_flags(parser).add_argument("--no-grad-sync", action="store_true",
-                                    help="ddp+ and fsdp+ send no gradients: each rank trains alone, the losses differ")
+                                    help="ddp+ sends no gradients, fsdp+ does no reduce_scatter: the losses differ")
     add_model_args(parser, n_layer=4, n_head=24, n_embd=192, block_size=128)  # tp: 24 heads split 1, 2, 3, 4, 6, 8 ways
     run(main, parser.parse_args())

@@ -233,12 +233,35 @@ def test_train_2d_python_launcher_one_row(tmp_path):
     assert "1x2 mesh" in assert_ok(result)
 
 
+BENCH_SMALL = ["--n-layer", "1", "--n-embd", "48", "--block-size", "32"]
+
+
 @pytest.mark.parametrize("launcher", [pytest.param("torchrun", marks=pytest.mark.quick), "python"])
 def test_benchmark_prints_a_table(launcher):
-    result = run_lesson("transformer_basics/benchmark.py", "--steps", "3", "--warmup", "1", "--n-layer", "1",
-                        "--n-embd", "48", "--block-size", "32", nproc=2, launcher=launcher, timeout=TIMEOUT)
+    # the default 3 warm-up steps: the profiled third is past DDP's bucket rebuild (2 broadcasts in step 2)
+    result = run_lesson("transformer_basics/benchmark.py", "--steps", "4", *BENCH_SMALL,
+                        nproc=2, launcher=launcher, timeout=TIMEOUT)
     assert_ok(result)
-    rows = re.findall(r"^\| (none|ddp|fsdp|tp) \| 2 \| ([\d,]+) \| ([\d.]+) \| ([\d.]+) \|", result.stdout, re.M)
-    assert [r[0] for r in rows] == ["none", "ddp", "fsdp", "tp"]
+    rows = re.findall(r"^\| (none|ddp\+?|fsdp\+?|tp) \| 2 \| ([\d,]+) \| ([\d.]+) \| ([\d.]+) \| .* \| ([^|]+) \|$",
+                      result.stdout, re.M)
+    assert [r[0] for r in rows] == ["none", "ddp", "ddp+", "fsdp", "fsdp+", "tp"]
     state = {r[0]: float(r[3]) for r in rows}
-    assert state["fsdp"] < 0.6 * state["ddp"]  # FSDP holds about half of everything on 2 ranks
+    assert state["fsdp"] < 0.6 * state["ddp"] and state["fsdp+"] == state["fsdp"]  # FSDP holds about half on 2 ranks
+    sent = {r[0]: r[4].strip() for r in rows}
+    assert sent["none"] == "-" and sent["ddp"] == sent["ddp+"] == "1 all_reduce"  # one bucket: the model is small
+    # one block and the root: all_gathered in forward, the block again in backward unless fsdp+ keeps it
+    assert sent["fsdp"] == "3 all_gather, 2 reduce_scatter" and sent["fsdp+"] == "2 all_gather, 2 reduce_scatter"
+    assert re.fullmatch(r"\d+ all_reduce", sent["tp"])
+    assert "ddp / none" in result.stdout and "fsdp+ / ddp+" in result.stdout
+
+
+@pytest.mark.parametrize("tuned", ["ddp+", "fsdp+"])
+def test_benchmark_loss_check_fails_when_a_tuned_mode_skips_the_gradient_sync(tuned):
+    result = run_lesson("transformer_basics/benchmark.py", "--modes", "ddp", tuned, "--no-grad-sync", "--steps", "3",
+                        "--warmup", "1", *BENCH_SMALL, nproc=2, launcher="warm", timeout=TIMEOUT)
+    assert_fails(result, "should train the same model, but their losses differ")
+
+
+def test_benchmark_refuses_no_warmup():
+    result = run_lesson("transformer_basics/benchmark.py", "--warmup", "0", nproc=2, launcher="warm", timeout=TIMEOUT)
+    assert_fails(result, "--warmup must be at least 1", within=2)

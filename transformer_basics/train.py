@@ -50,13 +50,17 @@ def main(args, ctx):
     if args.compile:
         model.compile()  # in place: parameter names (and so checkpoints) stay the same
     # ---- the parallelism: these lines are what train_2d.py changes ----
-    if args.parallel == "ddp":
-        model = DDP(model, device_ids=None if ctx.device.type == "cpu" else [ctx.device])
+    if args.parallel == "ddp":  # .grad as views into the buckets: benchmark.py's ddp+, ddp_basics/ddp_overlap.py
+        model = DDP(model, device_ids=None if ctx.device.type == "cpu" else [ctx.device], gradient_as_bucket_view=True)
     elif args.parallel == "fsdp":  # a mesh of ctx.device's type: FSDP2 would pick the GPU even on CPU + Gloo
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-        for block in model.blocks.values():  # one all-gather per block, freed after use
-            fully_shard(block, mesh=mesh)
+        blocks = list(model.blocks.values())
+        for i, block in enumerate(blocks):  # one all-gather per block, freed after use; the last block's
+            fully_shard(block, mesh=mesh, reshard_after_forward=i < len(blocks) - 1)  # backward is first: kept
         fully_shard(model, mesh=mesh)  # the rest (embeddings, final norm, head) as the root's group
+        for i, block in enumerate(blocks):  # gather the next block early: benchmark.py's fsdp+, fsdp_overlap.py
+            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 2])
+            block.set_modules_to_backward_prefetch(blocks[i - 1:i] if i else [])
     # --------------------------------------------------------------------
     optimizer, scheduler = training.make_optimizer(model, args)
     start = load_checkpoint(ckpt, model, optimizer, scheduler, ctx) if args.resume else 0

@@ -96,6 +96,7 @@ LESSONS = {
     "transformer_basics/ring_attention.py": dict(min_ranks=1, gloo_cuda=False, divides=24),  # --seq 48 in 2N chunks
     "transformer_basics/ulysses.py": dict(min_ranks=1, gloo_cuda=True, divides=8),  # --heads 8 (and --seq 48)
     "transformer_basics/expert_parallel.py": dict(min_ranks=1, gloo_cuda=True, divides=8),
+    "transformer_basics/composition.py": dict(min_ranks=1, gloo_cuda=True),  # inductor on CUDA (not run here: no GPU)
 }
 # Not here, with the reason: primitives/weight_sync_two_jobs.py runs as two jobs (test_weight_sync_two_jobs
 # below); launch/spawn_template.py is a CPU/Gloo template that starts its own

@@ -9,8 +9,8 @@ distributed.py; torch._dynamo.config.optimize_ddp, on by default) splits the gra
 boundaries, so a bucket's all_reduce can start while backward goes on; it asserts that DDP's first bucket
 (1 MiB) is not larger than the others, so --bucket-cap-mb below 1 fails to compile. Measured per rank:
 bytes saved for backward, graphs compiled; the losses must equal one process's plain eager model.
-Backend: "aot_eager" on CPU by default (the graphs and AC's recomputation, no code generation: inductor
-costs minutes on a 2-core CPU), "inductor" on GPUs; --compile-backend to choose.
+Backend: "aot_eager" on CPU by default (the graphs and AC's recomputation, no code generation; with
+inductor the default run took 57 s against 22 s on a shared 2-core CPU), "inductor" on GPUs.
 
     torchrun --nproc_per_node=2 transformer_basics/composition.py          # fsdp, AC, compile
     python transformer_basics/composition.py --nproc 2 --parallel ddp --no-ac
@@ -43,7 +43,7 @@ class Checkpointed(nn.Module):
         super().__init__()
         self.block, self.preserve_rng_state = block, preserve_rng_state
 
-    def forward(self, x):  # use_reentrant=False: the form the docs recommend, and the one compile traces
+    def forward(self, x):  # use_reentrant=False: the form the docs recommend
         return checkpoint(self.block, x, use_reentrant=False, preserve_rng_state=self.preserve_rng_state)
 
 
@@ -61,15 +61,15 @@ def main(args, ctx):
         model = compose_in_another_order(model, args, ctx, backend)
     elif args.parallel == "fsdp":
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-        for name, block in model.blocks.items():
-            block = Checkpointed(block, not args.no_preserve_rng_state) if args.ac else block  # 1. in the graph
+        for name, block in model.blocks.items():  # 1. checkpoint: inside the graph, so compile sees the recompute
+            block = Checkpointed(block, not args.no_preserve_rng_state) if args.ac else block  # device: block's
             block = torch.compile(block, backend=backend) if args.compile else block  # 2. no collective in it
             fully_shard(block, mesh=mesh)  # 3. all-gather before, reduce-scatter after, in eager hooks
             model.blocks[name] = block
         fully_shard(model, mesh=mesh)  # the root: embeddings, final norm, head
     else:
         for name, block in model.blocks.items():
-            model.blocks[name] = Checkpointed(block, not args.no_preserve_rng_state) if args.ac else block
+            model.blocks[name] = Checkpointed(block, not args.no_preserve_rng_state) if args.ac else block  # device: block's
         model = DDP(model, device_ids=None if ctx.device.type == "cpu" else [ctx.device], bucket_cap_mb=args.bucket_cap_mb)
         model = torch.compile(model, backend=backend) if args.compile else model  # DDPOptimizer: a graph per bucket
     # ------------------------------------------------------
@@ -92,7 +92,7 @@ def compose_in_another_order(model, args, ctx, backend):
     applies all the same: convert_frame.py asks DistributedDataParallel._get_active_ddp_module() per frame)."""
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,)) if args.parallel == "fsdp" else None
     for name, block in model.blocks.items():
-        model.blocks[name] = Checkpointed(block, not args.no_preserve_rng_state) if args.ac else block
+        model.blocks[name] = Checkpointed(block, not args.no_preserve_rng_state) if args.ac else block  # device: block's
         if mesh is not None:
             fully_shard(model.blocks[name], mesh=mesh)
     if mesh is not None:
@@ -113,7 +113,8 @@ def report_memory(reference, saved, args, ctx, graphs):
     print_in_order(f"saved for backward: {saved:,} bytes, plain eager model {plain:,} "
                    f"({saved / plain:.0%}); {len(graphs)} graph(s) compiled, {breaks} graph break(s), "
                    f"{eager} frame(s) left to eager"
-                   + (f", peak CUDA memory {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB" if ctx.device.type == "cuda" else ""))
+                   + (f", peak CUDA memory {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB"
+                      if ctx.device.type == "cuda" else ""))
     if args.ac and not saved < plain:
         raise RuntimeError(f"[rank {ctx.rank}] checkpointed, yet {saved} bytes saved for backward, "
                            f"not fewer than the plain model's {plain}")
@@ -131,7 +132,8 @@ def check_losses(reference, losses, args, ctx):
     diff = (losses.double().cpu() - ref32).abs().max().item()
     what = (f"{args.parallel}, {'checkpointed' if args.ac else 'no AC'}, "
             f"{'compiled (' + args.compile_backend + ')' if args.compile else 'eager'}")
-    print0(f"losses {', '.join(f'{v:.6f}' for v in losses.tolist())}; one process {', '.join(f'{v:.6f}' for v in ref32.tolist())}\n"
+    print0(f"losses {', '.join(f'{v:.6f}' for v in losses.tolist())}; "
+           f"one process {', '.join(f'{v:.6f}' for v in ref32.tolist())}\n"
            f"max difference {diff:.1e}, bound {bound:.1e} (16 x measured float32 rounding {rounding:.1e})")
     if not diff <= bound:
         raise RuntimeError(f"[rank {ctx.rank}] {what}: losses differ from one process's plain model by {diff:.1e} "

@@ -32,7 +32,7 @@ def saved_tensors(model, storages):
 
 def batch(args, step, rank, device):
     """Rank `rank`'s tokens at `step` (random bytes): a function of (seed, step, rank), so one process can replay them."""
-    tokens = torch.randint(256, (args.batch_size, args.block_size + 1),
+    tokens = torch.randint(256, (args.batch_size, args.block_size + 1), device="cpu",
                            generator=torch.Generator().manual_seed(args.seed + 7919 * step + 104729 * rank))
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
@@ -44,7 +44,8 @@ def train_reference(model, args, ctx, dtype, dropout=True):
     for m in model.modules() if not dropout else ():
         if isinstance(m, nn.Dropout) or hasattr(m, "dropout"):  # nn.Dropout's p, attention's dropout
             m.p, m.dropout = 0.0, 0.0
-    optimizer, losses = torch.optim.SGD(model.parameters(), lr=args.lr), torch.zeros(args.steps, dtype=torch.float64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    losses = torch.zeros(args.steps, dtype=torch.float64, device="cpu")
     for step in range(args.steps):
         for rank in range(ctx.world_size):
             x, y = batch(args, step, rank, ctx.device)

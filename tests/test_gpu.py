@@ -99,6 +99,7 @@ LESSONS = {
     "transformer_basics/expert_parallel.py": dict(min_ranks=1, gloo_cuda=True, divides=8),
     "transformer_basics/train_moe.py": ANY,  # any N: --ep defaults to 2 on an even world size, else 1
     "transformer_basics/train_cp.py": dict(min_ranks=1, gloo_cuda=False, divides=24),  # 2cp divides --block-size 96
+    "transformer_basics/composition.py": dict(min_ranks=1, gloo_cuda=True),  # inductor on CUDA (not run here: no GPU)
 }
 # Not here, with the reason: primitives/weight_sync_two_jobs.py runs as two jobs (test_weight_sync_two_jobs
 # below); launch/spawn_template.py is a CPU/Gloo template that starts its own

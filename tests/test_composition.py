@@ -57,6 +57,13 @@ def test_warm_3_fsdp_other_order():  # one compile over the sharded model: GPT.f
         assert saved < plain / 2 and eager >= 1, result
 
 
+def test_warm_4_fsdp_checkpointed_eager():  # 4 ranks without compile (cheap): AC under FSDP2 alone
+    result = run_lesson(LESSON, "--no-compile", nproc=4, launcher="warm", timeout=TIMEOUT)
+    assert "OK: fsdp, checkpointed, eager on 4 rank(s)" in assert_ok(result)
+    for saved, plain, graphs, _, _ in figures(result, 4).values():
+        assert saved < plain / 2 and graphs == 0, result
+
+
 def test_recompute_without_the_rng_state_fails():  # dropout draws other masks in backward's recomputation
     result = run_lesson(LESSON, "--parallel", "ddp", "--no-compile", "--dropout", "0.1", "--no-preserve-rng-state",
                         nproc=2, launcher="warm", timeout=TIMEOUT)

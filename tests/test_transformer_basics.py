@@ -209,6 +209,13 @@ def test_pipeline_parallel_equals_single_process(nproc, schedule, micro):
     assert f"{schedule} pipeline of {nproc} stages" in ok
     bubble = re.search(r"= (\d+)/(\d+) = ", result.stdout).groups()
     assert bubble == (str(nproc - 1), str(micro + nproc - 1))
+    # each stage receives and sends one tensor per micro-batch and neighbour, each way (activations, gradients)
+    traffic = re.findall(r"^\[rank (\d+)\] parameters [\d,]+ B; last step (\d+) send, (\d+) recv .*, (\d+) all_reduce",
+                         result.stdout, re.M)
+    neighbours = [(r > 0) + (r < nproc - 1) for r in range(nproc)]
+    tie = [int(nproc > 1 and r in (0, nproc - 1)) for r in range(nproc)]
+    assert [tuple(map(int, t)) for t in traffic] == [(r, micro * n, micro * n, t)
+                                                     for r, n, t in zip(range(nproc), neighbours, tie)], result.stdout
 
 
 @pytest.mark.quick

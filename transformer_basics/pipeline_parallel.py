@@ -20,11 +20,13 @@ CPU tensors only, so Gloo with CUDA tensors is refused up front.
 Docs: https://pytorch.org/docs/stable/distributed.pipelining.html
 """
 import copy
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.profiler import ProfilerActivity, profile
 
 import data
 from launch.dist_setup import lesson_parser, print0, print_in_order, run
@@ -80,24 +82,26 @@ def main(args, ctx):
     windows = data.ShardedWindows(data.encode(data.generate_corpus(2000)), cfg.block_size, 0, 1, args.seed)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=args.lr)
     worst_loss = worst_param = 0.0
-    for step in range(args.steps):
-        x, y = (t.to(ctx.device) for t in windows.batch(step, 0, args.batch_size))
-        losses = []                             # filled on the last stage, one per micro-batch
-        if p == 1:
-            schedule.step(x, target=y, losses=losses)  # one stage: both ends of the pipeline
-        elif rank == 0:
-            schedule.step(x)                    # the first stage feeds the inputs...
-        elif rank == p - 1:
-            schedule.step(target=y, losses=losses)  # ...the last one the targets
-        else:
-            schedule.step()
-        if tied is not None:
-            dist.all_reduce(tied.grad, group=tie_group)
-        opt.step()
-        opt.zero_grad()
-        loss_diff, param_diff = check_step_matches_single_process(step, x, y, losses, stage_model, reference,
-                                                                  ref_opt, args, ctx)
-        worst_loss, worst_param = max(worst_loss, loss_diff), max(worst_param, param_diff)
+    for step in range(args.steps):  # the last step runs under torch.profiler, to count its sends (printed below)
+        with profile(activities=[ProfilerActivity.CPU]) if step == args.steps - 1 else nullcontext() as prof:
+            x, y = (t.to(ctx.device) for t in windows.batch(step, 0, args.batch_size))
+            losses = []                             # filled on the last stage, one per micro-batch
+            if p == 1:
+                schedule.step(x, target=y, losses=losses)  # one stage: both ends of the pipeline
+            elif rank == 0:
+                schedule.step(x)                    # the first stage feeds the inputs...
+            elif rank == p - 1:
+                schedule.step(target=y, losses=losses)  # ...the last one the targets
+            else:
+                schedule.step()
+            if tied is not None:
+                dist.all_reduce(tied.grad, group=tie_group)
+            opt.step()
+            opt.zero_grad()
+            loss_diff, param_diff = check_step_matches_single_process(step, x, y, losses, stage_model, reference,
+                                                                      ref_opt, args, ctx)
+            worst_loss, worst_param = max(worst_loss, loss_diff), max(worst_param, param_diff)
+    print_traffic_and_memory(prof, stage_model, args)
     if worst_loss > args.tol:
         raise RuntimeError(f"the pipeline's loss differs from single-process training by {worst_loss:.2e}")
     worst = torch.tensor(worst_param, device=ctx.device)
@@ -107,6 +111,17 @@ def main(args, ctx):
            f"({p} stages, {m} micro-batches)")
     print0(f"OK: {args.schedule} pipeline of {p} stages x {m} micro-batches: losses and parameters of {args.steps} "
            f"steps equal single-process training (max diff {worst_loss:.1e} loss, {worst.item():.1e} parameters)")
+
+
+def print_traffic_and_memory(prof, stage_model, args):
+    """What each stage holds and sends: its parameters' bytes, and the c10d ops of the last step (the first step
+    also sends the shapes of the activations: 3 more sends and receives at 2 stages, measured)."""
+    names = [event.name for event in prof.events()]
+    per_step = {op: names.count(f"c10d::{op}") for op in ("send", "recv_", "allreduce_")}
+    held = sum(t.numel() * t.element_size() for t in stage_model.parameters())
+    print_in_order(f"parameters {held:,} B; last step {per_step['send']} send, {per_step['recv_']} recv "
+                   f"(activations and their gradients, {args.microbatches} micro-batches), "
+                   f"{per_step['allreduce_']} all_reduce (the tied embedding)")
 
 
 def check_step_matches_single_process(step, x, y, losses, stage_model, reference, ref_opt, args, ctx):

@@ -23,6 +23,7 @@ def saved_tensors(model, storages):
     (linear saves weight.t()), by storage; a DTensor weight (FSDP2's sharded form) by its local tensor."""
     @torch.compiler.disable  # a hook is a frame like any other: a compiled model would try to compile it
     def pack(t):
+        # read at each save, not once: inside FSDP2's forward the module's parameters are the all-gathered ones
         weights = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for p in model.parameters()}
         if t.untyped_storage().data_ptr() not in weights:
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()

@@ -14,6 +14,7 @@ as that one process. Numbers are this machine's: on a shared CPU they are noisy.
 
 Docs: https://pytorch.org/docs/stable/notes/ddp.html
 """
+
 import copy
 import time
 
@@ -35,7 +36,9 @@ def per_parameter(model, W):
 def bucketed(model, W, cap_bytes):
     grads = [p.grad for p in model.parameters()]
     buckets, size = [[]], 0
-    for g in reversed(grads):  # backward produces the last layers' gradients first, as DDP orders them
+    for g in reversed(
+        grads
+    ):  # backward produces the last layers' gradients first, as DDP orders them
         if buckets[-1] and size + g.numel() * g.element_size() > cap_bytes:
             buckets.append([])
             size = 0
@@ -58,7 +61,7 @@ def timed(model, x, y, args, device, sync=None):
             if device.type != "cpu":
                 torch.accelerator.synchronize()
             start = time.perf_counter()
-        xb, yb = x[step * n:(step + 1) * n].to(device), y[step * n:(step + 1) * n].to(device)
+        xb, yb = x[step * n : (step + 1) * n].to(device), y[step * n : (step + 1) * n].to(device)
         F.cross_entropy(model(xb), yb).backward()
         if sync is not None:
             sync(model)
@@ -77,14 +80,20 @@ def main(args, ctx):
     x, y = make_data(B * steps, seed=0)
     per = B // W
     # this rank's rows of every global batch, laid out step after step
-    mine = torch.cat([torch.arange(s * B + ctx.rank * per, s * B + (ctx.rank + 1) * per, device="cpu")
-                      for s in range(steps)])
+    mine = torch.cat(
+        [
+            torch.arange(s * B + ctx.rank * per, s * B + (ctx.rank + 1) * per, device="cpu")
+            for s in range(steps)
+        ]
+    )
     xr, yr = x[mine], y[mine]
     torch.manual_seed(0)
     start = MLP(args.width, depth=args.depth).to(ctx.device)
     n_params = sum(p.numel() for p in start.parameters())
-    print0(f"model: {n_params / 1e6:.2f} M parameters ({4 * n_params / 2**20:.1f} MiB of gradients), "
-           f"global batch {B}, {W} rank(s), {args.steps} timed steps")
+    print0(
+        f"model: {n_params / 1e6:.2f} M parameters ({4 * n_params / 2**20:.1f} MiB of gradients), "
+        f"global batch {B}, {W} rank(s), {args.steps} timed steps"
+    )
 
     # One process on the whole global batch (rank 0 alone, the others wait): the baseline and the reference.
     ref = torch.zeros(n_params, device=ctx.device)
@@ -111,9 +120,13 @@ def main(args, ctx):
         times[name] = t.item()
         if not name.startswith("(d)"):
             got = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-            worst = (got - ref).abs().max().item()  # both on ctx.device, float32: summation order only
+            worst = (
+                (got - ref).abs().max().item()
+            )  # both on ctx.device, float32: summation order only
             if not worst <= fp32_tolerance(args.tol):  # `not <=`: a NaN fails too
-                raise RuntimeError(f"{name}: parameters differ from one-process training by {worst:.2e}")
+                raise RuntimeError(
+                    f"{name}: parameters differ from one-process training by {worst:.2e}"
+                )
 
     print0(f"{'method':40s} {'ms/step':>9s} {'speed-up':>9s} {'efficiency':>10s}")
     print0(f"{'one process, whole batch':40s} {1e3 * single.item():9.2f} {1.0:9.2f}x {'':>10s}")
@@ -122,18 +135,24 @@ def main(args, ctx):
         print0(f"{name:40s} {1e3 * t:9.2f} {speedup:9.2f}x {speedup / W:10.0%}")
     dist.barrier()  # leave together: without it gloo's teardown here sometimes aborted (seen 1 run in 5)
     ideal, ddp = times[f"(d) 1/{W} of the data, no communication"], times["(c) DDP"]
-    print0(f"OK: DDP step {1e3 * ddp:.2f} ms at {W} ranks, {ddp / ideal - 1:+.0%} over no communication "
-           f"({1e3 * ideal:.2f} ms); (a), (b), (c) match one-process training (tolerance {fp32_tolerance(args.tol):g})")
+    print0(
+        f"OK: DDP step {1e3 * ddp:.2f} ms at {W} ranks, {ddp / ideal - 1:+.0%} over no communication "
+        f"({1e3 * ideal:.2f} ms); (a), (b), (c) match one-process training (tolerance {fp32_tolerance(args.tol):g})"
+    )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--depth", type=int, default=3, help="hidden width x width layers")
-    parser.add_argument("--batch", type=int, default=192, help="global batch (divisible by the world size)")
+    parser.add_argument(
+        "--batch", type=int, default=192, help="global batch (divisible by the world size)"
+    )
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size for (b) and DDP")
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--tol", type=float, default=1e-4, help="max |param diff| against one process")
+    parser.add_argument(
+        "--tol", type=float, default=1e-4, help="max |param diff| against one process"
+    )
     run(main, parser.parse_args())

@@ -18,6 +18,7 @@ GPUs (a CPU-only machine, for example) DataParallel has nothing to split over: i
 
 Docs: https://pytorch.org/docs/stable/notes/cuda.html#cuda-nn-ddp-instead
 """
+
 import copy
 import datetime
 import time
@@ -59,29 +60,42 @@ def main(args, ctx):
     x, y = make_data(B * args.steps, seed=0)  # on the CPU; each step copies its batch to the GPU(s)
     torch.manual_seed(0)
     start = MLP(args.width).to(ctx.device)
-    full = [(x[s * B:(s + 1) * B], y[s * B:(s + 1) * B]) for s in range(args.steps)]
+    full = [(x[s * B : (s + 1) * B], y[s * B : (s + 1) * B]) for s in range(args.steps)]
 
     # DDP: one process per GPU, each rank its B/W rows of every global batch.
     ddp = DDP(copy.deepcopy(start))
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
     per = B // W
-    mine = [(xb[ctx.rank * per:(ctx.rank + 1) * per], yb[ctx.rank * per:(ctx.rank + 1) * per]) for xb, yb in full]
+    mine = [
+        (xb[ctx.rank * per : (ctx.rank + 1) * per], yb[ctx.rank * per : (ctx.rank + 1) * per])
+        for xb, yb in full
+    ]
     t = torch.tensor([timed_steps(ddp, opt, mine, [ctx.device])], device=ctx.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
-    print0(f"DDP, {W} processes on {ctx.device.type}: {1e3 * t.item():.2f} ms/step (global batch {B})")
+    print0(
+        f"DDP, {W} processes on {ctx.device.type}: {1e3 * t.item():.2f} ms/step (global batch {B})"
+    )
 
     # DataParallel: ONE process (rank 0) drives n GPUs of this node, the replicas in threads.
     n = min(ctx.local_world_size, torch.cuda.device_count()) if ctx.device.type == "cuda" else 0
-    cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.timeout))  # GPUs stay idle
+    cpu_group = dist.new_group(
+        backend="gloo", timeout=datetime.timedelta(seconds=args.timeout)
+    )  # GPUs stay idle
     dp = None
     if n >= 2 and ctx.rank == 0:
-        dp = nn.DataParallel(copy.deepcopy(start), device_ids=list(range(n)))  # start is on cuda:0 here
+        dp = nn.DataParallel(
+            copy.deepcopy(start), device_ids=list(range(n))
+        )  # start is on cuda:0 here
         opt = torch.optim.SGD(dp.parameters(), lr=args.lr)
         dp_time = timed_steps(dp, opt, full, [torch.device("cuda", i) for i in range(n)])
-        print0(f"DataParallel over {n} GPUs, 1 process: {1e3 * dp_time:.2f} ms/step (while the other "
-               f"{W - 1} ranks waited on the CPU)")
+        print0(
+            f"DataParallel over {n} GPUs, 1 process: {1e3 * dp_time:.2f} ms/step (while the other "
+            f"{W - 1} ranks waited on the CPU)"
+        )
     elif n < 2:
-        print0(f"DataParallel: needs at least 2 GPUs, this node has {n} for this job: timing DDP only")
+        print0(
+            f"DataParallel: needs at least 2 GPUs, this node has {n} for this job: timing DDP only"
+        )
     dist.barrier(group=cpu_group)
     check_against_one_process(start, full, ddp, dp, args, ctx)
 
@@ -100,19 +114,29 @@ def check_against_one_process(start, full, ddp, dp, args, ctx):
     tol = fp32_tolerance(args.tol)  # widened only if TF32 matmuls are on (see toy.py)
     for name, model in [("DDP", ddp.module), ("DataParallel", dp and dp.module)]:
         if model is not None:
-            worst = max((p.detach() - q.detach()).abs().max().item()
-                        for p, q in zip(model.parameters(), single.parameters()))
+            worst = max(
+                (p.detach() - q.detach()).abs().max().item()
+                for p, q in zip(model.parameters(), single.parameters())
+            )
             if not worst <= tol:  # `not <=`: a NaN fails too
-                raise RuntimeError(f"{name} parameters differ from single-process training by {worst:.2e}")
-    print0(f"OK: DDP over {ctx.world_size} processes{' and DataParallel' if dp else ''} trained {args.steps} steps "
-           f"matching single-process training (tolerance {tol:g}){'' if dp or ctx.rank else '; DataParallel not run'}")
+                raise RuntimeError(
+                    f"{name} parameters differ from single-process training by {worst:.2e}"
+                )
+    print0(
+        f"OK: DDP over {ctx.world_size} processes{' and DataParallel' if dp else ''} trained {args.steps} steps "
+        f"matching single-process training (tolerance {tol:g}){'' if dp or ctx.rank else '; DataParallel not run'}"
+    )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--batch", type=int, default=96, help="global batch (divisible by the world size)")
+    parser.add_argument(
+        "--batch", type=int, default=96, help="global batch (divisible by the world size)"
+    )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--tol", type=float, default=1e-4, help="max |param diff| (GPU matmuls are less exact)")
+    parser.add_argument(
+        "--tol", type=float, default=1e-4, help="max |param diff| (GPU matmuls are less exact)"
+    )
     run(main, parser.parse_args())

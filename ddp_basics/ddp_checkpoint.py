@@ -20,6 +20,7 @@ Restarts in this torch need --standalone (c10d rendezvous) and TORCH_DISABLE_SHA
 Docs: https://pytorch.org/tutorials/intermediate/ddp_tutorial.html#save-and-load-checkpoints
       https://pytorch.org/docs/stable/elastic/run.html (fault-tolerant torchrun)
 """
+
 import hashlib
 import os
 import sys
@@ -39,9 +40,13 @@ def train(args, ctx, save_to=None, resume=False, stop_after=None):
     """The job: from scratch or from the checkpoint at save_to, to the end (or the end of epoch stop_after)."""
     x, y = make_data(args.train, seed=0)  # every rank builds the same data, on the CPU
     dataset = TensorDataset(x, y)
-    sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)  # this rank's 1/N (rank, N from the group)
+    sampler = DistributedSampler(
+        dataset, shuffle=True, seed=args.seed
+    )  # this rank's 1/N (rank, N from the group)
     # generator=: the loader's iterators draw their seed from it, not from the global RNG the checkpoint restores
-    loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, generator=torch.Generator())
+    loader = DataLoader(
+        dataset, batch_size=args.batch, sampler=sampler, generator=torch.Generator()
+    )
     torch.manual_seed(0)
     model = MLP(args.width).to(ctx.device)
     model = DDP(model, device_ids=None if ctx.device.type == "cpu" else [ctx.device])
@@ -49,7 +54,9 @@ def train(args, ctx, save_to=None, resume=False, stop_after=None):
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.epochs * len(loader))
     torch.manual_seed(1000 + ctx.rank)  # each rank's own noise stream
-    start_epoch, start_step = load(save_to, model, opt, sched, sampler, args, ctx) if resume else (0, 0)
+    start_epoch, start_step = (
+        load(save_to, model, opt, sched, sampler, args, ctx) if resume else (0, 0)
+    )
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch
         for step, (xb, yb) in enumerate(loader):
@@ -57,13 +64,19 @@ def train(args, ctx, save_to=None, resume=False, stop_after=None):
                 continue  # done before the checkpoint
             die_if_asked(epoch * len(loader) + step, args, ctx)
             xb, yb = xb.to(ctx.device), yb.to(ctx.device)
-            xb = xb + args.noise * torch.randn(xb.shape, device=ctx.device)  # augmentation: uses the RNG
+            xb = xb + args.noise * torch.randn(
+                xb.shape, device=ctx.device
+            )  # augmentation: uses the RNG
             loss = F.cross_entropy(model(xb), yb)
             opt.zero_grad()
             loss.backward()
             opt.step()
             sched.step()
-            if save_to and args.save_every and (epoch * len(loader) + step + 1) % args.save_every == 0:
+            if (
+                save_to
+                and args.save_every
+                and (epoch * len(loader) + step + 1) % args.save_every == 0
+            ):
                 save(save_to, model, opt, sched, sampler, epoch, step + 1, ctx)
         if save_to and not args.save_every:
             save(save_to, model, opt, sched, sampler, epoch + 1, 0, ctx)  # once per epoch
@@ -77,8 +90,16 @@ def save(path, model, opt, sched, sampler, epoch, step, ctx):
     if ctx.device.type == "cuda":
         rng["cuda"] = gathered(torch.cuda.get_rng_state(ctx.device), ctx)
     if ctx.rank == 0:
-        ckpt = {"model": model.module.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                "epoch": epoch, "step": step, "sampler_seed": sampler.seed, "world_size": ctx.world_size, "rng": rng}
+        ckpt = {
+            "model": model.module.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
+            "epoch": epoch,
+            "step": step,
+            "sampler_seed": sampler.seed,
+            "world_size": ctx.world_size,
+            "rng": rng,
+        }
         torch.save(ckpt, path + ".tmp")  # same directory, so the rename stays on one file system
         os.replace(path + ".tmp", path)
     dist.barrier()  # nobody reads (or exits) before the file is complete
@@ -86,8 +107,11 @@ def save(path, model, opt, sched, sampler, epoch, step, ctx):
 
 def load(path, model, opt, sched, sampler, args, ctx):
     ckpt = torch.load(path, map_location=ctx.device, weights_only=True)
-    ctx.require(ckpt["world_size"] == ctx.world_size, f"the checkpoint was written by {ckpt['world_size']} "
-                "ranks: resume with as many (sampler shards and RNG states are per rank)")
+    ctx.require(
+        ckpt["world_size"] == ctx.world_size,
+        f"the checkpoint was written by {ckpt['world_size']} "
+        "ranks: resume with as many (sampler shards and RNG states are per rank)",
+    )
     model.module.load_state_dict(ckpt["model"])  # every rank loads the same weights
     if args.forget != "optimizer":
         opt.load_state_dict(ckpt["optimizer"])
@@ -100,8 +124,11 @@ def load(path, model, opt, sched, sampler, args, ctx):
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"][ctx.rank].cpu().clone(), ctx.device)
     sampler.seed = ckpt["sampler_seed"]
     print0(f"loaded {', '.join(ckpt)} (map_location={ctx.device}, weights_only=True)")
-    print0(f"attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}: resumed from {path} at epoch "
-           f"{ckpt['epoch']} step {ckpt['step']}" + (f", without the {args.forget} state (--forget)" * bool(args.forget)))
+    print0(
+        f"attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}: resumed from {path} at epoch "
+        f"{ckpt['epoch']} step {ckpt['step']}"
+        + (f", without the {args.forget} state (--forget)" * bool(args.forget))
+    )
     return ckpt["epoch"], ckpt["step"]
 
 
@@ -123,26 +150,35 @@ def fix_bucket_order(model, ctx):
 
 def die_if_asked(done, args, ctx):
     """--fail-at-step: the last rank dies before step `done`, on the first attempt only."""
-    if (done == args.fail_at_step and ctx.rank == ctx.world_size - 1
-            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+    if (
+        done == args.fail_at_step
+        and ctx.rank == ctx.world_size - 1
+        and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    ):
         print_rank(f"dying at step {done} (--fail-at-step) at unix time {time.time():.3f}")
         os._exit(1)  # abrupt, like a lost machine: no cleanup, no exception
 
 
 def main(args, ctx):
-    ctx.require(args.save_every or 0 < args.resume_after < args.epochs,
-                f"--resume-after must be between 1 and --epochs - 1 = {args.epochs - 1}")
+    ctx.require(
+        args.save_every or 0 < args.resume_after < args.epochs,
+        f"--resume-after must be between 1 and --epochs - 1 = {args.epochs - 1}",
+    )
     ctx.require(args.fail_at_step < 0 or args.save_every > 0, "--fail-at-step needs --save-every N")
     ctx.require_writable_dir(args.out)
     path = os.path.join(args.out, "ddp_checkpoint.pt")
     if args.save_every:  # a job: resume if an earlier attempt left a checkpoint
         if not os.path.exists(path):
-            print0(f"attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}: no checkpoint in {args.out}, "
-                   "starting from scratch")
+            print0(
+                f"attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}: no checkpoint in {args.out}, "
+                "starting from scratch"
+            )
         final = train(args, ctx, path, resume=os.path.exists(path))
     else:  # the demonstration: interrupted after epoch k, then resumed in fresh objects
         train(args, ctx, path, stop_after=args.resume_after)
-        print0(f"stopped after epoch {args.resume_after}: {path} holds {os.path.getsize(path) / 1024:.1f} KiB")
+        print0(
+            f"stopped after epoch {args.resume_after}: {path} holds {os.path.getsize(path) / 1024:.1f} KiB"
+        )
         final = train(args, ctx, path, resume=True)
     check_matches_uninterrupted_run(final, args, ctx)
 
@@ -152,14 +188,24 @@ def check_matches_uninterrupted_run(final, args, ctx):
     reference = train(args, ctx)
     diff = (final - reference).abs().max().item()
     digest = hashlib.sha256(final.numpy().tobytes()).hexdigest()[:16]
-    print0(f"final params: float64 sum {final.double().sum().item():+.12f}, sha256 {digest}; "
-           f"max |resumed - uninterrupted| {diff:.3g}")
+    print0(
+        f"final params: float64 sum {final.double().sum().item():+.12f}, sha256 {digest}; "
+        f"max |resumed - uninterrupted| {diff:.3g}"
+    )
     if not torch.equal(final, reference):
-        raise RuntimeError(f"the resumed run differs from the uninterrupted run by up to {diff:.3g}")
-    how = (f"resume after epoch {args.resume_after}" if not args.save_every else f"checkpoints every "
-           f"{args.save_every} steps, attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
-    print0(f"OK: {ctx.world_size} ranks, {args.epochs} epochs, {how}: final params bit-identical to "
-           f"an uninterrupted run (sha256 {digest})")
+        raise RuntimeError(
+            f"the resumed run differs from the uninterrupted run by up to {diff:.3g}"
+        )
+    how = (
+        f"resume after epoch {args.resume_after}"
+        if not args.save_every
+        else f"checkpoints every "
+        f"{args.save_every} steps, attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    )
+    print0(
+        f"OK: {ctx.world_size} ranks, {args.epochs} epochs, {how}: final params bit-identical to "
+        f"an uninterrupted run (sha256 {digest})"
+    )
 
 
 if __name__ == "__main__":
@@ -171,15 +217,31 @@ if __name__ == "__main__":
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0, help="DistributedSampler's shuffle seed")
-    parser.add_argument("--noise", type=float, default=0.05, help="std of the noise added to each batch")
-    parser.add_argument("--resume-after", type=int, default=1, help="epoch after which the demo run stops")
-    parser.add_argument("--save-every", type=int, default=0, help="job mode: checkpoint every N steps, resume")
-    parser.add_argument("--fail-at-step", type=int, default=-1, help="job mode: the last rank dies here, once")
-    test_flags(parser).add_argument("--forget", choices=["optimizer", "scheduler", "rng"],
-                                    help="leave this part out of the resume: the exact comparison fails")
+    parser.add_argument(
+        "--noise", type=float, default=0.05, help="std of the noise added to each batch"
+    )
+    parser.add_argument(
+        "--resume-after", type=int, default=1, help="epoch after which the demo run stops"
+    )
+    parser.add_argument(
+        "--save-every", type=int, default=0, help="job mode: checkpoint every N steps, resume"
+    )
+    parser.add_argument(
+        "--fail-at-step", type=int, default=-1, help="job mode: the last rank dies here, once"
+    )
+    test_flags(parser).add_argument(
+        "--forget",
+        choices=["optimizer", "scheduler", "rng"],
+        help="leave this part out of the resume: the exact comparison fails",
+    )
     args = parser.parse_args()
-    if (os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0"  # before init: fail now, not at the restart
-            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
-        sys.exit(f"[rank {os.environ.get('RANK')}] error: restarts in this torch need torchrun --standalone "
-                 "(or --rdzv-backend=c10d) and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (pytorch#135712)")
+    if (
+        os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+        != "0"  # before init: fail now, not at the restart
+        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    ):
+        sys.exit(
+            f"[rank {os.environ.get('RANK')}] error: restarts in this torch need torchrun --standalone "
+            "(or --rdzv-backend=c10d) and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (pytorch#135712)"
+        )
     run(main, args)

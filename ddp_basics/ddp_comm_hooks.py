@@ -16,6 +16,7 @@ torch.distributed.all_reduce (the hooks call it), and checks the model still lea
 
 Docs: https://pytorch.org/docs/stable/ddp_comm_hooks.html
 """
+
 import copy
 
 import torch
@@ -45,14 +46,16 @@ def train(args, ctx, start, x, y, register):
         for step in range(args.steps):
             sent.append(0)
             lo = (step * ctx.world_size + ctx.rank) * args.batch
-            xb, yb = x[lo:lo + args.batch].to(ctx.device), y[lo:lo + args.batch].to(ctx.device)
+            xb, yb = x[lo : lo + args.batch].to(ctx.device), y[lo : lo + args.batch].to(ctx.device)
             F.cross_entropy(model(xb), yb).backward()
             opt.step()
             opt.zero_grad()
     finally:
         dist.all_reduce = plain_all_reduce
     xt, yt = make_data(2000, seed=1)
-    return accuracy(model.module, xt.to(ctx.device), yt.to(ctx.device)), sent[-1]  # last step: past warm-up
+    return accuracy(model.module, xt.to(ctx.device), yt.to(ctx.device)), sent[
+        -1
+    ]  # last step: past warm-up
 
 
 def main(args, ctx):
@@ -62,18 +65,27 @@ def main(args, ctx):
     n_params = sum(p.numel() for p in start.parameters())
 
     def power_sgd(model):
-        state = powerSGD.PowerSGDState(process_group=None, matrix_approximation_rank=args.rank,
-                                       start_powerSGD_iter=2)  # plain all_reduce for the first step(s)
+        state = powerSGD.PowerSGDState(
+            process_group=None, matrix_approximation_rank=args.rank, start_powerSGD_iter=2
+        )  # plain all_reduce for the first step(s)
         model.register_comm_hook(state, powerSGD.powerSGD_hook)
 
     hooks = {
         # DDP's built-in all_reduce runs in C++; allreduce_hook is the same thing in Python, so it is counted
-        "allreduce_hook (fp32)": lambda model: model.register_comm_hook(None, default_hooks.allreduce_hook),
-        "fp16_compress_hook": lambda model: model.register_comm_hook(None, default_hooks.fp16_compress_hook),
+        "allreduce_hook (fp32)": lambda model: model.register_comm_hook(
+            None, default_hooks.allreduce_hook
+        ),
+        "fp16_compress_hook": lambda model: model.register_comm_hook(
+            None, default_hooks.fp16_compress_hook
+        ),
         f"PowerSGD rank {args.rank}": power_sgd,
     }
-    if ctx.backend == "nccl":  # DDP refuses it elsewhere: "required CUDA 11+ and NCCL 2.10+ or XPU and XCCL"
-        hooks["bf16_compress_hook"] = lambda model: model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    if (
+        ctx.backend == "nccl"
+    ):  # DDP refuses it elsewhere: "required CUDA 11+ and NCCL 2.10+ or XPU and XCCL"
+        hooks["bf16_compress_hook"] = lambda model: model.register_comm_hook(
+            None, default_hooks.bf16_compress_hook
+        )
     else:
         print0(f"bf16_compress_hook: needs NCCL (or XCCL), skipped on {ctx.backend}")
     print0(f"model: {n_params} parameters = {4 * n_params} bytes of fp32 gradients per step")
@@ -81,21 +93,29 @@ def main(args, ctx):
     for name, register in hooks.items():
         results[name] = train(args, ctx, start, x, y, register)
         acc, sent = results[name]
-        print0(f"{name:24s} bytes sent per step {sent:8d} ({sent / (4 * n_params):5.1%}), "
-               f"held-out accuracy {acc:.3f}")
+        print0(
+            f"{name:24s} bytes sent per step {sent:8d} ({sent / (4 * n_params):5.1%}), "
+            f"held-out accuracy {acc:.3f}"
+        )
     base = results["allreduce_hook (fp32)"][1]
     if base != 4 * n_params:
-        raise RuntimeError(f"plain DDP sent {base} bytes per step, expected every fp32 gradient: {4 * n_params}")
+        raise RuntimeError(
+            f"plain DDP sent {base} bytes per step, expected every fp32 gradient: {4 * n_params}"
+        )
     for name, (acc, sent) in results.items():
         if "16" in name and sent != base // 2:
             raise RuntimeError(f"{name} sent {sent} bytes, expected half of {base}")
         if "PowerSGD" in name and not sent < base:
             raise RuntimeError(f"PowerSGD sent {sent} bytes, not fewer than {base}")
         if acc < args.target:
-            raise RuntimeError(f"{name}: held-out accuracy {acc:.3f} is below the target {args.target}")
+            raise RuntimeError(
+                f"{name}: held-out accuracy {acc:.3f} is below the target {args.target}"
+            )
     ratio = results[f"PowerSGD rank {args.rank}"][1] / base
-    print0(f"OK: {'fp16/bf16' if ctx.backend == 'nccl' else 'fp16'} compression sends half the bytes, PowerSGD {ratio:.0%}; every run reaches held-out "
-           f"accuracy >= {args.target} (lowest {min(a for a, _ in results.values()):.3f})")
+    print0(
+        f"OK: {'fp16/bf16' if ctx.backend == 'nccl' else 'fp16'} compression sends half the bytes, PowerSGD {ratio:.0%}; every run reaches held-out "
+        f"accuracy >= {args.target} (lowest {min(a for a, _ in results.values()):.3f})"
+    )
 
 
 if __name__ == "__main__":
@@ -105,5 +125,7 @@ if __name__ == "__main__":
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--rank", type=int, default=2, help="PowerSGD's matrix approximation rank")
-    parser.add_argument("--target", type=float, default=0.75, help="held-out accuracy every run must reach")
+    parser.add_argument(
+        "--target", type=float, default=0.75, help="held-out accuracy every run must reach"
+    )
     run(main, parser.parse_args())

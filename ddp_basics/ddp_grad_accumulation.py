@@ -11,6 +11,7 @@ over the whole global batch. A comm hook that counts its calls shows the communi
 
 Docs: https://pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html#torch.nn.parallel.DistributedDataParallel.no_sync
 """
+
 import torch
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -24,11 +25,15 @@ from toy import MLP, flat, fp32_tolerance, global_batches, make_data
 def main(args, ctx):
     x, y = make_data(args.train, seed=0)  # every rank builds the same data, on the CPU
     dataset = TensorDataset(x, y)
-    sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)  # this rank's 1/N (rank, N from the group)
+    sampler = DistributedSampler(
+        dataset, shuffle=True, seed=args.seed
+    )  # this rank's 1/N (rank, N from the group)
     loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler)  # micro-batches
-    ctx.require(len(sampler) % args.batch == 0 and len(loader) % args.accum == 0,
-                f"{len(sampler)} examples per rank do not make whole steps of --accum {args.accum} x --batch "
-                f"{args.batch}: make --train a multiple of {args.accum * args.batch} x ranks")
+    ctx.require(
+        len(sampler) % args.batch == 0 and len(loader) % args.accum == 0,
+        f"{len(sampler)} examples per rank do not make whole steps of --accum {args.accum} x --batch "
+        f"{args.batch}: make --train a multiple of {args.accum * args.batch} x ranks",
+    )
     torch.manual_seed(0)
     model = MLP(args.width).to(ctx.device)
     model = DDP(model, device_ids=None if ctx.device.type == "cpu" else [ctx.device])
@@ -41,7 +46,9 @@ def main(args, ctx):
             if (i + 1) % args.accum:
                 # the forward too: DDP decides in forward whether backward syncs (torch/nn/parallel/distributed.py, 2.13)
                 with model.no_sync():  # gradients accumulate in .grad, nothing is sent
-                    loss = F.cross_entropy(model(xb), yb) / args.accum  # the step's loss: the mean of accum micro-batches
+                    loss = (
+                        F.cross_entropy(model(xb), yb) / args.accum
+                    )  # the step's loss: the mean of accum micro-batches
                     loss.backward()
             else:
                 loss = F.cross_entropy(model(xb), yb) / args.accum
@@ -62,13 +69,17 @@ def count_all_reduces(model):
     def hook(state, bucket):
         state["calls"] += 1
         return default_hooks.allreduce_hook(None, bucket)  # None: the default (WORLD) group
+
     model.register_comm_hook(state, hook)
     return state
 
 
 def count_without_no_sync(loader, args, ctx):
     """The same micro-batches without no_sync: all_reduces per optimizer step."""
-    model = DDP(MLP(args.width).to(ctx.device), device_ids=None if ctx.device.type == "cpu" else [ctx.device])
+    model = DDP(
+        MLP(args.width).to(ctx.device),
+        device_ids=None if ctx.device.type == "cpu" else [ctx.device],
+    )
     sends = count_all_reduces(model)
     for i, (xb, yb) in enumerate(loader):
         (F.cross_entropy(model(xb.to(ctx.device)), yb.to(ctx.device)) / args.accum).backward()
@@ -89,27 +100,37 @@ def check_matches_large_batch(model, x, y, args, ctx, sends, sends_without):
     for epoch in range(args.epochs):
         micro = global_batches(len(x), ctx.world_size, args.seed, epoch, args.batch)
         for s in range(0, len(micro), args.accum):
-            idx = [i for m in micro[s:s + args.accum] for i in m]
+            idx = [i for m in micro[s : s + args.accum] for i in m]
             F.cross_entropy(single(xd[idx]), yd[idx]).backward()
             opt.step()
             opt.zero_grad()
     worst, tol = (flat(model) - flat(single)).abs().max().item(), fp32_tolerance(args.tol)
-    print0(f"global batch {ctx.world_size * args.accum * args.batch} = {ctx.world_size} ranks x {args.accum} "
-           f"micro-batches x {args.batch}")
+    print0(
+        f"global batch {ctx.world_size * args.accum * args.batch} = {ctx.world_size} ranks x {args.accum} "
+        f"micro-batches x {args.batch}"
+    )
     print0(f"all_reduce calls per step: {sends:g} with no_sync, {sends_without:g} without")
-    print0(f"max |param - single-process param| after {args.epochs} epochs: {worst:.2e} (tolerance {tol:g})")
+    print0(
+        f"max |param - single-process param| after {args.epochs} epochs: {worst:.2e} (tolerance {tol:g})"
+    )
     if not worst <= tol:  # `not <=`: a NaN fails too
         raise RuntimeError(f"accumulated DDP training differs from the large batch by {worst:.2e}")
     if sends_without != args.accum * sends:
-        raise RuntimeError(f"expected {args.accum}x fewer all_reduces with no_sync, got {sends} vs {sends_without}")
-    print0(f"OK: {args.accum} micro-batches per step under no_sync match the large batch "
-           f"(max diff {worst:.1e}) with {sends:g} all_reduce(s) per step instead of {sends_without:g} without it")
+        raise RuntimeError(
+            f"expected {args.accum}x fewer all_reduces with no_sync, got {sends} vs {sends_without}"
+        )
+    print0(
+        f"OK: {args.accum} micro-batches per step under no_sync match the large batch "
+        f"(max diff {worst:.1e}) with {sends:g} all_reduce(s) per step instead of {sends_without:g} without it"
+    )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step")
-    parser.add_argument("--train", type=int, default=1536, help="training examples (a multiple of 64 x ranks)")
+    parser.add_argument(
+        "--train", type=int, default=1536, help="training examples (a multiple of 64 x ranks)"
+    )
     parser.add_argument("--batch", type=int, default=16, help="examples per rank per micro-batch")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--width", type=int, default=32)

@@ -15,6 +15,7 @@ all_reduced metric equals the whole held-out set scored by each rank alone.
 Docs: https://pytorch.org/tutorials/intermediate/ddp_tutorial.html
       https://pytorch.org/docs/stable/data.html#torch.utils.data.distributed.DistributedSampler
 """
+
 import copy
 import datetime
 import sys
@@ -33,15 +34,21 @@ from toy import MLP, check_matches_single_process, flat, make_data, spread
 def main(args, ctx):
     x, y = make_data(args.train, seed=0)  # every rank builds the same data, on the CPU
     dataset = TensorDataset(x, y)
-    sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)  # this rank's 1/N (rank, N from the group)
+    sampler = DistributedSampler(
+        dataset, shuffle=True, seed=args.seed
+    )  # this rank's 1/N (rank, N from the group)
     loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler)
-    torch.manual_seed(ctx.rank)  # different on purpose: DDP's constructor broadcasts rank 0's weights
+    torch.manual_seed(
+        ctx.rank
+    )  # different on purpose: DDP's constructor broadcasts rank 0's weights
     model = MLP(args.width).to(ctx.device)
     model = DDP(model, device_ids=None if ctx.device.type == "cpu" else [ctx.device])
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch
-        bar = tqdm(loader, desc=f"epoch {epoch}", disable=ctx.rank != 0, file=sys.stderr, mininterval=1)
+        bar = tqdm(
+            loader, desc=f"epoch {epoch}", disable=ctx.rank != 0, file=sys.stderr, mininterval=1
+        )
         for xb, yb in bar:
             xb, yb = xb.to(ctx.device), yb.to(ctx.device)
             loss = F.cross_entropy(model(xb), yb)
@@ -53,8 +60,10 @@ def main(args, ctx):
     if args.show_eval_hang:
         show_eval_hang(model, test_x, test_y, args, ctx)
     correct, count, loss_sum = evaluate(model, test_x, test_y, ctx).tolist()  # on every rank
-    print_in_order(f"held-out accuracy {correct / count:.4f} ({correct:.0f}/{count:.0f}, all_reduced), "
-                   f"loss {loss_sum / count:.4f}; sum of params {flat(model).double().sum().item():+.6f}")
+    print_in_order(
+        f"held-out accuracy {correct / count:.4f} ({correct:.0f}/{count:.0f}, all_reduced), "
+        f"loss {loss_sum / count:.4f}; sum of params {flat(model).double().sum().item():+.6f}"
+    )
 
     check(model, x, y, sampler, test_x, test_y, (correct, count, loss_sum), args, ctx)
 
@@ -62,11 +71,18 @@ def main(args, ctx):
 def evaluate(model, x, y, ctx, group=None, device=None):
     """Each rank scores x[rank::N]; the sums are all_reduced, so every rank gets the whole set's."""
     device = device or ctx.device
-    xs, ys = x[ctx.rank::ctx.world_size].to(device), y[ctx.rank::ctx.world_size].to(device)
+    xs, ys = x[ctx.rank :: ctx.world_size].to(device), y[ctx.rank :: ctx.world_size].to(device)
     with torch.no_grad():
         out = model(xs)
-    sums = torch.tensor([(out.argmax(1) == ys).sum().item(), len(ys),
-                         F.cross_entropy(out, ys, reduction="sum").item()], dtype=torch.float64, device=device)
+    sums = torch.tensor(
+        [
+            (out.argmax(1) == ys).sum().item(),
+            len(ys),
+            F.cross_entropy(out, ys, reduction="sum").item(),
+        ],
+        dtype=torch.float64,
+        device=device,
+    )
     dist.all_reduce(sums, group=group)  # every rank must call this, not just the one that logs
     return sums
 
@@ -76,34 +92,47 @@ def show_eval_hang(model, test_x, test_y, args, ctx):
     short = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.hang_timeout))
     if ctx.rank == 0:
         try:
-            evaluate(copy.deepcopy(model.module).cpu(), test_x, test_y, ctx, short, torch.device("cpu"))
+            evaluate(
+                copy.deepcopy(model.module).cpu(), test_x, test_y, ctx, short, torch.device("cpu")
+            )
         except RuntimeError:
-            print0(f"evaluation on rank 0 only: its all_reduce waited for ranks that never came, "
-                   f"and failed after the {args.hang_timeout:g} s timeout (a hang with the default timeout)")
+            print0(
+                f"evaluation on rank 0 only: its all_reduce waited for ranks that never came, "
+                f"and failed after the {args.hang_timeout:g} s timeout (a hang with the default timeout)"
+            )
 
 
 def check(model, x, y, sampler, test_x, test_y, sums, args, ctx):
     """Every check below, reported before any raises."""
     correct, count, loss_sum = sums
-    if args.corrupt_for_testing:  # each rank moves its parameters by a different amount: every check must fail
+    if (
+        args.corrupt_for_testing
+    ):  # each rank moves its parameters by a different amount: every check must fail
         with torch.no_grad():
             for p in model.parameters():
                 p += 0.01 * (ctx.rank + 1)
     check_set_epoch(sampler, len(x))
     diff, tol = check_matches_single_process(model, x, y, sampler, args, ctx)
     whole, failures = check_metric(model, test_x, test_y, sums, ctx)
-    param_spread, metric_spread = spread(flat(model)), spread(torch.tensor(whole, device=ctx.device))
-    print0(f"max |param - single process| {diff:.2e} (tolerance {tol:g}); spread across ranks: "
-           f"params {param_spread:.2e}, metric {metric_spread:.2e}; chance accuracy {1 / 4:.2f}")
+    param_spread, metric_spread = (
+        spread(flat(model)),
+        spread(torch.tensor(whole, device=ctx.device)),
+    )
+    print0(
+        f"max |param - single process| {diff:.2e} (tolerance {tol:g}); spread across ranks: "
+        f"params {param_spread:.2e}, metric {metric_spread:.2e}; chance accuracy {1 / 4:.2f}"
+    )
     if not diff <= tol:  # `not <=`: a NaN fails too
         failures.append(f"DDP training differs from single-process training by {diff:.2e}")
     if param_spread != 0.0 or metric_spread != 0.0:
         failures.append(f"ranks disagree (params {param_spread:.2e}, metric {metric_spread:.2e})")
     if failures:
         raise RuntimeError("; ".join(failures))
-    print0(f"OK: DDP + DistributedSampler on {ctx.world_size} ranks, {args.epochs} epochs: params match "
-           f"single-process training on the same batches (max diff {diff:.1e}) and are identical across ranks; "
-           f"all_reduced held-out accuracy {correct / count:.3f} equals the whole set's, on every rank")
+    print0(
+        f"OK: DDP + DistributedSampler on {ctx.world_size} ranks, {args.epochs} epochs: params match "
+        f"single-process training on the same batches (max diff {diff:.1e}) and are identical across ranks; "
+        f"all_reduced held-out accuracy {correct / count:.3f} equals the whole set's, on every rank"
+    )
 
 
 def check_set_epoch(sampler, n):
@@ -112,8 +141,10 @@ def check_set_epoch(sampler, n):
     epoch0, again = list(sampler), list(sampler)
     sampler.set_epoch(1)
     moved = sum(a != b for a, b in zip(epoch0, list(sampler))) / len(epoch0)
-    print0(f"DistributedSampler: {len(epoch0)} of {n} examples per rank per epoch; without set_epoch "
-           f"epoch 1 repeats epoch 0's order: {epoch0 == again}; with set_epoch(1) {moved:.0%} of positions change")
+    print0(
+        f"DistributedSampler: {len(epoch0)} of {n} examples per rank per epoch; without set_epoch "
+        f"epoch 1 repeats epoch 0's order: {epoch0 == again}; with set_epoch(1) {moved:.0%} of positions change"
+    )
     if epoch0 != again or moved < 0.5:
         raise RuntimeError("DistributedSampler did not behave as described")
 
@@ -128,8 +159,10 @@ def check_metric(model, test_x, test_y, sums, ctx):
         whole = [(out.argmax(1) == yd).sum().item(), F.cross_entropy(out, yd).item()]
     # float32 sums of 1000 losses in two orders: the means differ by ~1e-7; bound 1e-5
     if whole[0] != correct or count != len(test_y) or not abs(whole[1] - loss_sum / count) <= 1e-5:
-        return whole, [f"all_reduced metric ({correct:.0f} correct, loss {loss_sum / count:.6f}) differs "
-                       f"from the whole set's ({whole[0]:.0f}, {whole[1]:.6f})"]
+        return whole, [
+            f"all_reduced metric ({correct:.0f} correct, loss {loss_sum / count:.6f}) differs "
+            f"from the whole set's ({whole[0]:.0f}, {whole[1]:.6f})"
+        ]
     return whole, []
 
 
@@ -142,11 +175,19 @@ if __name__ == "__main__":
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0, help="DistributedSampler's shuffle seed")
-    parser.add_argument("--tol", type=float, default=1e-5, help="max |param difference| allowed (float32)")
+    parser.add_argument(
+        "--tol", type=float, default=1e-5, help="max |param difference| allowed (float32)"
+    )
     tests = test_flags(parser)
-    tests.add_argument("--show-eval-hang", action="store_true",
-                       help="first evaluate on rank 0 only, under a short timeout: the hang it causes")
+    tests.add_argument(
+        "--show-eval-hang",
+        action="store_true",
+        help="first evaluate on rank 0 only, under a short timeout: the hang it causes",
+    )
     tests.add_argument("--hang-timeout", type=float, default=3.0)
-    tests.add_argument("--corrupt-for-testing", action="store_true",
-                       help="after training each rank moves its params by a different amount: every check fails")
+    tests.add_argument(
+        "--corrupt-for-testing",
+        action="store_true",
+        help="after training each rank moves its params by a different amount: every check fails",
+    )
     run(main, parser.parse_args())

@@ -16,6 +16,7 @@ mixed precision adds.
 
 Docs: https://pytorch.org/docs/stable/amp.html
 """
+
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -24,13 +25,19 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from launch.dist_setup import lesson_parser, print0, run, test_flags
 from toy import MLP, make_data
 
-MODES = [("fp32", None), ("bf16 autocast", torch.bfloat16), ("fp16 autocast + GradScaler", torch.float16)]
+MODES = [
+    ("fp32", None),
+    ("bf16 autocast", torch.bfloat16),
+    ("fp16 autocast + GradScaler", torch.float16),
+]
 
 
 def main(args, ctx):
     x, y = make_data(args.train, seed=0)  # every rank builds the same data, on the CPU
     dataset = TensorDataset(x, y)
-    sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)  # this rank's 1/N (rank, N from the group)
+    sampler = DistributedSampler(
+        dataset, shuffle=True, seed=args.seed
+    )  # this rank's 1/N (rank, N from the group)
     loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler)
     test_x, test_y = make_data(args.test, seed=1)  # held out
     results = {}
@@ -39,19 +46,25 @@ def main(args, ctx):
         model = MLP(args.width).to(ctx.device)
         model = DDP(model, device_ids=None if ctx.device.type == "cpu" else [ctx.device])
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-        scaler = torch.amp.GradScaler(ctx.device.type, enabled=dtype == torch.float16)  # off: a no-op
+        scaler = torch.amp.GradScaler(
+            ctx.device.type, enabled=dtype == torch.float16
+        )  # off: a no-op
         for epoch in range(args.epochs):
             sampler.set_epoch(epoch)  # a new shuffle each epoch
             for xb, yb in loader:
                 xb, yb = xb.to(ctx.device), yb.to(ctx.device)
-                with torch.autocast(ctx.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-                    loss = F.cross_entropy(model(xb), yb)  # linear in 16 bits, cross_entropy in fp32 (amp docs' op lists)
+                with torch.autocast(
+                    ctx.device.type, dtype=dtype or torch.float32, enabled=dtype is not None
+                ):
+                    loss = F.cross_entropy(
+                        model(xb), yb
+                    )  # linear in 16 bits, cross_entropy in fp32 (amp docs' op lists)
                 opt.zero_grad()
                 scaler.scale(loss).backward()  # DDP all_reduces the (scaled) fp32 gradients here
                 if not args.skip_unscale:
-                    scaler.unscale_(opt)       # true gradients now, so clipping sees their real norm
+                    scaler.unscale_(opt)  # true gradients now, so clipping sees their real norm
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-                scaler.step(opt)               # skips the step if fp16 gradients overflowed
+                scaler.step(opt)  # skips the step if fp16 gradients overflowed
                 scaler.update()
         results[name] = held_out_loss(model, test_x, test_y, ctx), scaler
     check_16_bit_modes(results, args, ctx)
@@ -81,13 +94,19 @@ def check_16_bit_modes(results, args, ctx):
         diff = abs(loss - fp32)
         worst = max(worst, diff)
         first = torch.amp.GradScaler(ctx.device.type).get_scale()  # the default initial scale
-        scale = f"; GradScaler scale {first:g} -> {scaler.get_scale():g} (halved at each skipped step)"
-        print0(f"{name}: held-out loss {loss:.4f} (|diff| to fp32 {diff:.4f}, tolerance {args.tol:g})"
-               + (scale if scaler.is_enabled() else ""))
+        scale = (
+            f"; GradScaler scale {first:g} -> {scaler.get_scale():g} (halved at each skipped step)"
+        )
+        print0(
+            f"{name}: held-out loss {loss:.4f} (|diff| to fp32 {diff:.4f}, tolerance {args.tol:g})"
+            + (scale if scaler.is_enabled() else "")
+        )
         if not diff <= args.tol:  # `not <=`: a NaN fails too
             raise RuntimeError(f"{name} ends {diff:.4f} away from the fp32 loss {fp32:.4f}")
-    print0(f"OK: bf16 autocast and fp16 autocast + GradScaler under DDP on {ctx.device.type} end at the fp32 "
-           f"held-out loss {fp32:.3f} within {worst:.3f} (tolerance {args.tol:g})")
+    print0(
+        f"OK: bf16 autocast and fp16 autocast + GradScaler under DDP on {ctx.device.type} end at the fp32 "
+        f"held-out loss {fp32:.3f} within {worst:.3f} (tolerance {args.tol:g})"
+    )
 
 
 if __name__ == "__main__":
@@ -102,6 +121,9 @@ if __name__ == "__main__":
     parser.add_argument("--clip", type=float, default=1.0, help="max gradient norm")
     parser.add_argument("--tol", type=float, default=0.05, help="allowed |loss - fp32 loss|")
     tests = test_flags(parser)
-    tests.add_argument("--skip-unscale", action="store_true",
-                       help="clip the scaled fp16 gradients (no unscale_): the fp16 check fails")
+    tests.add_argument(
+        "--skip-unscale",
+        action="store_true",
+        help="clip the scaled fp16 gradients (no unscale_): the fp16 check fails",
+    )
     run(main, parser.parse_args())

@@ -21,6 +21,7 @@ event recorded there marks the end of the all_reduce on the GPU, while the backw
 Docs: https://pytorch.org/docs/stable/notes/ddp.html#internal-design
       https://pytorch.org/docs/stable/ddp_comm_hooks.html
 """
+
 import copy
 import time
 
@@ -34,14 +35,23 @@ from toy import MLP, flat, fp32_tolerance, make_data
 
 
 def main(args, ctx):
-    ctx.require(min(args.width, args.depth, args.steps, args.batch) >= 1 and args.small_mb > 0,
-                "--width, --depth, --steps and --batch must be at least 1, --small-mb above 0")
+    ctx.require(
+        min(args.width, args.depth, args.steps, args.batch) >= 1 and args.small_mb > 0,
+        "--width, --depth, --steps and --batch must be at least 1, --small-mb above 0",
+    )
     x, y = (t.to(ctx.device) for t in make_data(args.steps * ctx.world_size * args.batch))
     torch.manual_seed(0)
     start = MLP(args.width, depth=args.depth).to(ctx.device)
     # (bucket_cap_mb, gradient_as_bucket_view); None: DDP's default, 25 MiB with a first bucket of 1 MiB
-    variants = [(None, False), (2 * args.small_mb, False), (args.small_mb, False), (args.small_mb, True)]
-    results = {(cap, as_view): train(args, ctx, start, x, y, cap, as_view) for cap, as_view in variants}
+    variants = [
+        (None, False),
+        (2 * args.small_mb, False),
+        (args.small_mb, False),
+        (args.small_mb, True),
+    ]
+    results = {
+        (cap, as_view): train(args, ctx, start, x, y, cap, as_view) for cap, as_view in variants
+    }
     print_timelines(results, ctx)
     check_timelines(results, start, ctx)
     check_same_parameters(results, start, x, y, args, ctx)
@@ -50,34 +60,52 @@ def main(args, ctx):
 def train(args, ctx, start, x, y, bucket_cap_mb, as_view):
     """Train a DDP copy of start; return its module, the last step's timeline, its buckets' parameters
     and the parameters whose .grad lies in a bucket's buffer."""
-    model = DDP(copy.deepcopy(start), device_ids=None if ctx.device.type == "cpu" else [ctx.device],
-                bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=as_view and not args.ignore_view)
+    model = DDP(
+        copy.deepcopy(start),
+        device_ids=None if ctx.device.type == "cpu" else [ctx.device],
+        bucket_cap_mb=bucket_cap_mb,
+        gradient_as_bucket_view=as_view and not args.ignore_view,
+    )
     clock, spans, buffers, held = Clock(ctx.device), {}, [], {}
 
-    def timed_all_reduce(state, bucket):  # DDP calls it once per bucket, when the bucket's gradients are ready
+    def timed_all_reduce(
+        state, bucket
+    ):  # DDP calls it once per bucket, when the bucket's gradients are ready
         started, buf, index = clock.now(), bucket.buffer(), bucket.index()
-        ptrs = {p.data_ptr() for p in bucket.parameters()}  # GradBucket.parameters(): the model's own tensors
+        ptrs = {
+            p.data_ptr() for p in bucket.parameters()
+        }  # GradBucket.parameters(): the model's own tensors
         held[index] = [n for n, p in model.module.named_parameters() if p.data_ptr() in ptrs]
         buffers.append((buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()))
-        if not args.no_divide:  # DDP's default divides by the world size too (default_hooks.allreduce_hook)
+        if (
+            not args.no_divide
+        ):  # DDP's default divides by the world size too (default_hooks.allreduce_hook)
             buf.div_(ctx.world_size)
         fut = dist.all_reduce(buf, async_op=True).get_future()
 
-        def done(fut):  # runs when the all_reduce has finished (on a GPU: on a stream that waits for it)
-            layers = dict.fromkeys(n.rsplit(".", 1)[0] for n in held[index])  # net.6.weight -> net.6
+        def done(
+            fut,
+        ):  # runs when the all_reduce has finished (on a GPU: on a stream that waits for it)
+            layers = dict.fromkeys(
+                n.rsplit(".", 1)[0] for n in held[index]
+            )  # net.6.weight -> net.6
             spans[f"all_reduce bucket {index}"] = (started, clock.now(), ", ".join(layers))
             return fut.value()[0]
+
         return fut.then(done)
 
     model.register_comm_hook(None, timed_all_reduce)
 
-    def time_backward(name, layer):  # a layer's backward: from its output's gradient in to its weight's grad
+    def time_backward(
+        name, layer
+    ):  # a layer's backward: from its output's gradient in to its weight's grad
         def on_forward(module, inputs, out):
             out.register_hook(lambda grad: spans.update({name: (clock.now(), None, "")}))
 
         layer.register_forward_hook(on_forward)
         layer.weight.register_post_accumulate_grad_hook(
-            lambda p: spans.update({name: (spans[name][0], clock.now(), "grads ready")}))
+            lambda p: spans.update({name: (spans[name][0], clock.now(), "grads ready")})
+        )
 
     for name, layer in model.module.named_modules():
         if isinstance(layer, torch.nn.Linear):
@@ -85,7 +113,7 @@ def train(args, ctx, start, x, y, bucket_cap_mb, as_view):
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     for step in range(args.steps):
         lo = (step * ctx.world_size + ctx.rank) * args.batch
-        loss = F.cross_entropy(model(x[lo:lo + args.batch]), y[lo:lo + args.batch])
+        loss = F.cross_entropy(model(x[lo : lo + args.batch]), y[lo : lo + args.batch])
         spans.clear(), buffers.clear(), held.clear()
         clock.t0 = clock.now()
         loss.backward()  # returns once every bucket's all_reduce has finished
@@ -124,7 +152,9 @@ def label(cap, as_view):
 def print_timelines(results, ctx, width=40):
     """One block per variant: every rank's last backward, one row per layer and per bucket, by start time."""
     for (cap, as_view), (_, timeline, held, _) in results.items():
-        print0(f"\n{label(cap, as_view)}: {len(held)} bucket(s); last step's backward, ms from its start")
+        print0(
+            f"\n{label(cap, as_view)}: {len(held)} bucket(s); last step's backward, ms from its start"
+        )
         end = max(b for _, b, _ in timeline.values()) or 1.0
         rows = []
         for what, (a, b, note) in sorted(timeline.items(), key=lambda item: item[1][:2]):
@@ -143,7 +173,9 @@ def check_timelines(results, start, ctx):
     failures = []
     for (cap, as_view), (_, timeline, held, in_buckets) in results.items():
         name = label(cap, as_view)
-        if sorted(held) != list(range(len(held))) or sorted(sum(held.values(), [])) != sorted(params):
+        if sorted(held) != list(range(len(held))) or sorted(sum(held.values(), [])) != sorted(
+            params
+        ):
             failures.append(f"{name}: buckets {held} do not hold every parameter once")
         backward_end = max(b for what, (_, b, _) in timeline.items() if what.startswith("backward"))
         if len(held) > 1 and not timeline["all_reduce bucket 0"][0] < backward_end:
@@ -151,8 +183,10 @@ def check_timelines(results, start, ctx):
         if in_buckets != (params if as_view else []):
             failures.append(f"{name}: gradients inside the bucket buffers: {in_buckets}")
     verdict = "no: " + "; ".join(failures) if failures else "yes"
-    print_in_order(f"every variant: each parameter in one bucket, bucket 0 sent before the backward ends, "
-                   f".grad in the buckets iff gradient_as_bucket_view: {verdict}")
+    print_in_order(
+        f"every variant: each parameter in one bucket, bucket 0 sent before the backward ends, "
+        f".grad in the buckets iff gradient_as_bucket_view: {verdict}"
+    )
     dist.barrier()
     if failures:
         raise RuntimeError(f"[rank {ctx.rank}] " + "; ".join(failures))
@@ -168,30 +202,63 @@ def check_same_parameters(results, start, x, y, args, ctx):
     n = ctx.world_size * args.batch
     for step in range(args.steps):
         opt.zero_grad()
-        F.cross_entropy(single(x[step * n:(step + 1) * n]), y[step * n:(step + 1) * n]).backward()
+        F.cross_entropy(
+            single(x[step * n : (step + 1) * n]), y[step * n : (step + 1) * n]
+        ).backward()
         opt.step()
     tol, ref = fp32_tolerance(1e-5), flat(single)
-    diffs = {label(*key): (flat(model) - ref).abs().max().item() for key, (model, *_) in results.items()}
-    print0("\n".join(f"{name}: max |parameter - one process| {d:.1e} (bound {tol:.0e})" for name, d in diffs.items()))
-    bad, buckets = [name for name, diff in diffs.items() if not diff <= tol], [len(r[2]) for r in results.values()]
+    diffs = {
+        label(*key): (flat(model) - ref).abs().max().item() for key, (model, *_) in results.items()
+    }
+    print0(
+        "\n".join(
+            f"{name}: max |parameter - one process| {d:.1e} (bound {tol:.0e})"
+            for name, d in diffs.items()
+        )
+    )
+    bad, buckets = (
+        [name for name, diff in diffs.items() if not diff <= tol],
+        [len(r[2]) for r in results.values()],
+    )
     if bad:
-        raise RuntimeError(f"[rank {ctx.rank}] parameters differ from one process's beyond {tol:.0e}: {bad}")
-    print0(f"OK: {len(results)} DDP variants on {ctx.world_size} rank(s), {min(buckets)} to {max(buckets)} buckets, "
-           f"all train to one process's parameters (max diff {max(diffs.values()):.1e})")
+        raise RuntimeError(
+            f"[rank {ctx.rank}] parameters differ from one process's beyond {tol:.0e}: {bad}"
+        )
+    print0(
+        f"OK: {len(results)} DDP variants on {ctx.world_size} rank(s), {min(buckets)} to {max(buckets)} buckets, "
+        f"all train to one process's parameters (max diff {max(diffs.values()):.1e})"
+    )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--width", type=int, default=256, help="hidden width (a width x width weight: width^2*4 bytes)")
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=256,
+        help="hidden width (a width x width weight: width^2*4 bytes)",
+    )
     parser.add_argument("--depth", type=int, default=3, help="hidden width x width layers")
-    parser.add_argument("--small-mb", type=float, default=0.25,
-                        help="the small bucket_cap_mb, in MiB (0.25: about one 256 x 256 layer per bucket)")
-    parser.add_argument("--steps", type=int, default=4, help="training steps (the first one builds the buckets)")
+    parser.add_argument(
+        "--small-mb",
+        type=float,
+        default=0.25,
+        help="the small bucket_cap_mb, in MiB (0.25: about one 256 x 256 layer per bucket)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=4, help="training steps (the first one builds the buckets)"
+    )
     parser.add_argument("--batch", type=int, default=64, help="examples per rank per step")
     parser.add_argument("--lr", type=float, default=0.1)
     broken = test_flags(parser)
-    broken.add_argument("--no-divide", action="store_true",
-                        help="the timing hook sums the gradients, not averages them: the parameters differ")
-    broken.add_argument("--ignore-view", action="store_true",
-                        help="gradient_as_bucket_view=False everywhere: the grads-in-buckets check fails")
+    broken.add_argument(
+        "--no-divide",
+        action="store_true",
+        help="the timing hook sums the gradients, not averages them: the parameters differ",
+    )
+    broken.add_argument(
+        "--ignore-view",
+        action="store_true",
+        help="gradient_as_bucket_view=False everywhere: the grads-in-buckets check fails",
+    )
     run(main, parser.parse_args())

@@ -12,6 +12,7 @@ every rank is done (gradients are divided by the initial world size, as if it se
 
 Docs: https://pytorch.org/tutorials/advanced/generic_join.html
 """
+
 import copy
 import datetime
 
@@ -33,7 +34,7 @@ def first_batch(rank, batches):
 
 def batch(x, y, args, rank, step):
     lo = (first_batch(rank, args.batches) + step) * args.batch
-    return x[lo:lo + args.batch], y[lo:lo + args.batch]
+    return x[lo : lo + args.batch], y[lo : lo + args.batch]
 
 
 def main(args, ctx):
@@ -55,8 +56,10 @@ def main(args, ctx):
             xb, yb = batch(x, y, args, ctx.rank, step)
             F.cross_entropy(model(xb), yb).backward()
     except RuntimeError as error:  # the ranks still inside the all_reduce of step `batches`
-        outcome = f"stuck in backward's all_reduce at batch {step}, failed after {args.hang_timeout:g}s: " \
-                  f"{str(error).strip().splitlines()[0].split('] ')[-1][:70]}"
+        outcome = (
+            f"stuck in backward's all_reduce at batch {step}, failed after {args.hang_timeout:g}s: "
+            f"{str(error).strip().splitlines()[0].split('] ')[-1][:70]}"
+        )
     print_in_order(f"without Join: {outcome}")
     if ctx.rank > 0 and outcome.startswith("finished"):
         raise RuntimeError("expected the ranks with more batches to wait and time out")
@@ -71,8 +74,10 @@ def main(args, ctx):
             opt.step()
             opt.zero_grad()
     first = first_batch(ctx.rank, args.batches)
-    print_in_order(f"with Join: ran its {mine} batches ({first}..{first + mine - 1} of 0..{total - 1}); "
-                   "joined ranks shadowed the all_reduces they lacked")
+    print_in_order(
+        f"with Join: ran its {mine} batches ({first}..{first + mine - 1} of 0..{total - 1}); "
+        "joined ranks shadowed the all_reduces they lacked"
+    )
     check_against_one_process(model, start, x, y, args, ctx)
 
 
@@ -82,31 +87,49 @@ def check_against_one_process(model, start, x, y, args, ctx):
     their mean-loss gradient, divided by the initial world size W. Same device and float32
     arithmetic, so only summation order differs: measured 3e-8 on CPU, bound 1e-5."""
     W, B = ctx.world_size, args.batch
-    shares = list(zip(torch.split(x, [(args.batches + r) * B for r in range(W)]),
-                      torch.split(y, [(args.batches + r) * B for r in range(W)])))
+    shares = list(
+        zip(
+            torch.split(x, [(args.batches + r) * B for r in range(W)]),
+            torch.split(y, [(args.batches + r) * B for r in range(W)]),
+        )
+    )
     single = copy.deepcopy(start)
     opt = torch.optim.SGD(single.parameters(), lr=args.lr)
     for step in range(args.batches + W - 1):
-        live = [(xs[step * B:(step + 1) * B], ys[step * B:(step + 1) * B]) for xs, ys in shares if step * B < len(xs)]
+        live = [
+            (xs[step * B : (step + 1) * B], ys[step * B : (step + 1) * B])
+            for xs, ys in shares
+            if step * B < len(xs)
+        ]
         loss = sum(F.cross_entropy(single(xb.to(ctx.device)), yb.to(ctx.device)) for xb, yb in live)
         (loss / W).backward()
         opt.step()
         opt.zero_grad()
-    worst = max((p.detach() - q.detach()).abs().max().item()
-                for p, q in zip(model.module.parameters(), single.parameters()))
+    worst = max(
+        (p.detach() - q.detach()).abs().max().item()
+        for p, q in zip(model.module.parameters(), single.parameters())
+    )
     tol = fp32_tolerance(1e-5)  # widened only if TF32 matmuls are on (see toy.py)
     print0(f"max |param - single-process param| = {worst:.2e} (tolerance {tol:g})")
     if not worst <= tol:  # `not <=`: a NaN (an empty batch's loss) fails too
-        raise RuntimeError(f"training under Join differs from the single-process computation by {worst:.2e}")
-    print0(f"OK: uneven inputs ({args.batches}..{args.batches + W - 1} batches per rank) time out without Join "
-           f"and finish with Join, matching single-process training (max diff {worst:.1e})")
+        raise RuntimeError(
+            f"training under Join differs from the single-process computation by {worst:.2e}"
+        )
+    print0(
+        f"OK: uneven inputs ({args.batches}..{args.batches + W - 1} batches per rank) time out without Join "
+        f"and finish with Join, matching single-process training (max diff {worst:.1e})"
+    )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__, min_ranks=2)
-    parser.add_argument("--batches", type=int, default=3, help="batches on rank 0; rank r has batches + r")
+    parser.add_argument(
+        "--batches", type=int, default=3, help="batches on rank 0; rank r has batches + r"
+    )
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.5)
-    parser.add_argument("--hang-timeout", type=float, default=3.0, help="seconds before the hang fails")
+    parser.add_argument(
+        "--hang-timeout", type=float, default=3.0, help="seconds before the hang fails"
+    )
     run(main, parser.parse_args())

@@ -13,6 +13,7 @@ next forward and raises (on every rank, so nothing hangs). The fixes:
 
 Docs: https://pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html
 """
+
 import copy
 
 import torch
@@ -48,7 +49,7 @@ def train(model, args, ctx, x, y, branch, rank_share=True):
     per = args.batch // n
     for step in range(args.steps):
         lo = step * args.batch + (ctx.rank * per if rank_share else 0)
-        xb, yb = x[lo:lo + per].to(ctx.device), y[lo:lo + per].to(ctx.device)
+        xb, yb = x[lo : lo + per].to(ctx.device), y[lo : lo + per].to(ctx.device)
         F.cross_entropy(model(xb, use_b=uses_b(step, branch)), yb).backward()
         opt.step()
         opt.zero_grad()
@@ -58,20 +59,31 @@ def train(model, args, ctx, x, y, branch, rank_share=True):
 def check(name, ddp, single):
     """Both trained on ctx.device in float32: they differ by summation order only (shard means
     averaged vs one mean), measured 3e-8 after 6 steps on CPU; bound 1e-5."""
-    worst = max((p.detach() - q.detach()).abs().max().item()
-                for p, q in zip(ddp.module.parameters(), single.parameters()))
+    worst = max(
+        (p.detach() - q.detach()).abs().max().item()
+        for p, q in zip(ddp.module.parameters(), single.parameters())
+    )
     tol = fp32_tolerance(1e-5)  # widened only if TF32 matmuls are on (see toy.py)
     print0(f"{name}: max |param - single-process param| = {worst:.2e} (tolerance {tol:g})")
     if not worst <= tol:  # `not <=`: a NaN fails too
-        raise RuntimeError(f"{name}: DDP training differs from single-process training by {worst:.2e}")
+        raise RuntimeError(
+            f"{name}: DDP training differs from single-process training by {worst:.2e}"
+        )
 
 
 def main(args, ctx):
-    ctx.require(args.batch % ctx.world_size == 0, f"--batch {args.batch} must divide by {ctx.world_size} ranks")
-    ctx.require(args.steps >= 2, "--steps must be at least 2 (the error shows at the second forward)")
+    ctx.require(
+        args.batch % ctx.world_size == 0,
+        f"--batch {args.batch} must divide by {ctx.world_size} ranks",
+    )
+    ctx.require(
+        args.steps >= 2, "--steps must be at least 2 (the error shows at the second forward)"
+    )
     x, y = make_data(args.batch * args.steps, seed=0)
     torch.manual_seed(0)
-    start = TwoHeads(args.width).to(ctx.device)  # initialised on the CPU, the same everywhere, then moved
+    start = TwoHeads(args.width).to(
+        ctx.device
+    )  # initialised on the CPU, the same everywhere, then moved
 
     # 1. Plain DDP, head_b used on odd steps only: step 0 leaves head_b without gradients.
     try:
@@ -81,24 +93,34 @@ def main(args, ctx):
         first = str(error).strip().splitlines()[0].split(". ")[0] + "."
         if "finished reduction" not in first:
             raise
-        print0(f"plain DDP, a head unused in step 0 -> RuntimeError at the next forward:\n  {first}")
+        print0(
+            f"plain DDP, a head unused in step 0 -> RuntimeError at the next forward:\n  {first}"
+        )
 
     # Independent reference: one process on ctx.device, the whole batch, the same head schedule.
     single = train(copy.deepcopy(start), args, ctx, x, y, branch=True, rank_share=False)
     ddp = DDP(copy.deepcopy(start), find_unused_parameters=True)
-    check("find_unused_parameters=True, heads alternate", train(ddp, args, ctx, x, y, branch=True), single)
+    check(
+        "find_unused_parameters=True, heads alternate",
+        train(ddp, args, ctx, x, y, branch=True),
+        single,
+    )
 
     # static_graph: the same parameters are used (and head_b unused) at every step.
     single = train(copy.deepcopy(start), args, ctx, x, y, branch=False, rank_share=False)
     ddp = DDP(copy.deepcopy(start), static_graph=True)
     check("static_graph=True, head_b never used", train(ddp, args, ctx, x, y, branch=False), single)
-    print0("OK: an unused branch makes plain DDP raise at the next forward; find_unused_parameters=True "
-           "and static_graph=True both train it and match single-process training")
+    print0(
+        "OK: an unused branch makes plain DDP raise at the next forward; find_unused_parameters=True "
+        "and static_graph=True both train it and match single-process training"
+    )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--batch", type=int, default=48, help="global batch (divisible by the world size)")
+    parser.add_argument(
+        "--batch", type=int, default=48, help="global batch (divisible by the world size)"
+    )
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.5)

@@ -13,6 +13,7 @@ then divide. Then gather_object brings every prediction to rank 0, in data set o
 Docs: https://pytorch.org/docs/stable/data.html#torch.utils.data.distributed.DistributedSampler
       https://pytorch.org/docs/stable/distributed.html#torch.distributed.gather_object
 """
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -29,7 +30,9 @@ def main(args, ctx):
     model = trained_model(args, ctx)  # the same weights on every rank
     x, y = make_data(args.samples, seed=1)  # the held-out set, the same on every rank
     dataset = TensorDataset(x, y)
-    sampler = DistributedSampler(dataset, shuffle=False)  # drop_last=False: pads, scores every sample
+    sampler = DistributedSampler(
+        dataset, shuffle=False
+    )  # drop_last=False: pads, scores every sample
     loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler)
     losses, preds = [], []
     with torch.no_grad():
@@ -37,15 +40,21 @@ def main(args, ctx):
             out = model(xb.to(ctx.device))
             losses.append(F.cross_entropy(out, yb.to(ctx.device), reduction="none"))
             preds.append(out.argmax(1))
-    index = torch.tensor(list(sampler), device=ctx.device)  # the indices the loader used, in its order
+    index = torch.tensor(
+        list(sampler), device=ctx.device
+    )  # the indices the loader used, in its order
     loss, pred = torch.cat(losses), torch.cat(preds)
     correct = pred == y.to(ctx.device)[index]
-    naive = torch.stack([loss.mean(), correct.float().mean()])  # naive: each rank's means, padding included,
+    naive = torch.stack(
+        [loss.mean(), correct.float().mean()]
+    )  # naive: each rank's means, padding included,
     dist.all_reduce(naive, op=dist.ReduceOp.AVG)  # then the mean of the ranks' means
     # Exact: this rank's k-th index sits at position rank + k * N of the padded list; positions from
     # len(dataset) on are the padding (the same slicing as the sampler's __iter__). The other way: no
     # padding (each rank takes range(rank, n, N)), the same SUMs: never a mean of means, counts differ.
-    real = torch.arange(sampler.rank, sampler.total_size, sampler.num_replicas, device=ctx.device) < len(dataset)
+    real = torch.arange(
+        sampler.rank, sampler.total_size, sampler.num_replicas, device=ctx.device
+    ) < len(dataset)
     if args.no_mask:  # for the tests: forget the mask, and the padding is counted again
         real = torch.ones_like(real)
     loss_sum = loss[real].sum().reshape(1)
@@ -57,11 +66,17 @@ def main(args, ctx):
     # your own job's ranks only. Plain ints travel, not device tensors.
     gathered = [None] * ctx.world_size if ctx.rank == 0 else None
     dist.gather_object((index[real].tolist(), pred[real].tolist()), gathered, dst=0)
-    by_index = sorted(p for indices, values in gathered for p in zip(indices, values)) if ctx.rank == 0 else None
-    print0(f"{len(dataset)} samples, {ctx.world_size} rank(s), {sampler.num_samples} each, "
-           f"{sampler.total_size - len(dataset)} padded\nnaive (mean of the ranks' means): loss "
-           f"{naive[0].item():.6f}, accuracy {naive[1].item():.6f}\nexact (SUMs, padding masked):     loss "
-           f"{mean_loss:.6f}, accuracy {n_correct / n:.6f} ({n_correct}/{n})")
+    by_index = (
+        sorted(p for indices, values in gathered for p in zip(indices, values))
+        if ctx.rank == 0
+        else None
+    )
+    print0(
+        f"{len(dataset)} samples, {ctx.world_size} rank(s), {sampler.num_samples} each, "
+        f"{sampler.total_size - len(dataset)} padded\nnaive (mean of the ranks' means): loss "
+        f"{naive[0].item():.6f}, accuracy {naive[1].item():.6f}\nexact (SUMs, padding masked):     loss "
+        f"{mean_loss:.6f}, accuracy {n_correct / n:.6f} ({n_correct}/{n})"
+    )
     check(model, x, y, naive.tolist(), (mean_loss, n_correct, n), by_index, ctx)
 
 
@@ -82,7 +97,11 @@ def check(model, x, y, naive, exact, by_index, ctx):
     """One process, plain torch, the whole data set at once: no sampler, no collective."""
     with torch.no_grad():
         out, yd = model(x.to(ctx.device)), y.to(ctx.device)
-    ref_each, ref_pred, top2 = F.cross_entropy(out, yd, reduction="none"), out.argmax(1), out.topk(2).values
+    ref_each, ref_pred, top2 = (
+        F.cross_entropy(out, yd, reduction="none"),
+        out.argmax(1),
+        out.topk(2).values,
+    )
     ref_loss, ref_hit = F.cross_entropy(out, yd).item(), ref_pred == yd
     # Same device and float32 arithmetic, summed in another order, matmuls of other batch shapes: ~1e-7
     # relative measured, bound 1e-5 (toy.fp32_tolerance widens it 2**13x under TF32: rounding that coarser).
@@ -92,22 +111,30 @@ def check(model, x, y, naive, exact, by_index, ctx):
     ties = (top2[:, 0] - top2[:, 1] <= rel * top2[:, 0].abs()).sum().item()
     failures = check_exact(exact, ref_loss, ref_hit, tol, ties)
     failures += check_naive(naive, ref_each, ref_hit, tol, ties, ctx)
-    failures += check_predictions(by_index, ref_pred, ties) if ctx.rank == 0 else []  # only rank 0 holds them
+    failures += (
+        check_predictions(by_index, ref_pred, ties) if ctx.rank == 0 else []
+    )  # only rank 0 holds them
     dist.barrier()  # rank 0 has printed its findings before any rank raises (and the launcher stops the rest)
     if failures:
         raise RuntimeError("; ".join(f"[rank {ctx.rank}] {f}" for f in failures))
-    print0(f"OK: exact distributed evaluation on {ctx.world_size} rank(s) of {len(x)} samples equals one process "
-           f"(loss {exact[0]:.6f}, {exact[1]}/{exact[2]} correct); the naive mean of means is off by "
-           f"{abs(naive[0] - ref_loss):.2e}; rank 0 holds one prediction per sample, in data set order")
+    print0(
+        f"OK: exact distributed evaluation on {ctx.world_size} rank(s) of {len(x)} samples equals one process "
+        f"(loss {exact[0]:.6f}, {exact[1]}/{exact[2]} correct); the naive mean of means is off by "
+        f"{abs(naive[0] - ref_loss):.2e}; rank 0 holds one prediction per sample, in data set order"
+    )
 
 
 def check_exact(exact, ref_loss, ref_hit, tol, ties):
     (mean_loss, n_correct, count), ref_correct, n = exact, ref_hit.sum().item(), len(ref_hit)
-    print0(f"one process, whole set:           loss {ref_loss:.6f}, accuracy {ref_correct / n:.6f} "
-           f"({ref_correct}/{n}); |exact - one process| {abs(mean_loss - ref_loss):.2e} (tolerance {tol:.1e})")
+    print0(
+        f"one process, whole set:           loss {ref_loss:.6f}, accuracy {ref_correct / n:.6f} "
+        f"({ref_correct}/{n}); |exact - one process| {abs(mean_loss - ref_loss):.2e} (tolerance {tol:.1e})"
+    )
     bad = count != n or abs(n_correct - ref_correct) > ties or not abs(mean_loss - ref_loss) <= tol
-    return [f"exact metrics (loss {mean_loss:.6f}, {n_correct}/{count}) differ from one process's "
-            f"(loss {ref_loss:.6f}, {ref_correct}/{n})"] * bad
+    return [
+        f"exact metrics (loss {mean_loss:.6f}, {n_correct}/{count}) differ from one process's "
+        f"(loss {ref_loss:.6f}, {ref_correct}/{n})"
+    ] * bad
 
 
 def check_naive(naive, ref_each, ref_hit, tol, ties, ctx):
@@ -116,14 +143,22 @@ def check_naive(naive, ref_each, ref_hit, tol, ties, ctx):
     padded = (list(range(n)) * -(-size // n))[:size]
     by_hand = [ref_each[padded].mean().item(), ref_hit[padded].float().mean().item()]
     off, shift = naive[0] - ref_each.mean().item(), by_hand[0] - ref_each.mean().item()
-    print0(f"naive - one process: loss {off:+.2e}, accuracy {naive[1] - ref_hit.float().mean().item():+.2e}; "
-           f"the padded list's means by hand: loss {by_hand[0]:.6f} ({shift:+.2e}), accuracy {by_hand[1]:.6f}")
+    print0(
+        f"naive - one process: loss {off:+.2e}, accuracy {naive[1] - ref_hit.float().mean().item():+.2e}; "
+        f"the padded list's means by hand: loss {by_hand[0]:.6f} ({shift:+.2e}), accuracy {by_hand[1]:.6f}"
+    )
     failures = []
-    if not (abs(naive[0] - by_hand[0]) <= tol and abs(naive[1] - by_hand[1]) * size < ties + 0.5):  # to a sample
+    if not (
+        abs(naive[0] - by_hand[0]) <= tol and abs(naive[1] - by_hand[1]) * size < ties + 0.5
+    ):  # to a sample
         failures.append(f"the naive figures {naive} are not the padded list's means {by_hand}")
     if size % n == 0 and not abs(off) <= tol:  # no padding, or every sample repeated alike (n < N)
-        failures.append(f"every sample counted {size // n}x, yet the naive loss is off by {off:.2e}")
-    if abs(shift) > 2 * tol and not abs(off) > tol:  # whenever the bound can see the shift (fp32: defaults)
+        failures.append(
+            f"every sample counted {size // n}x, yet the naive loss is off by {off:.2e}"
+        )
+    if (
+        abs(shift) > 2 * tol and not abs(off) > tol
+    ):  # whenever the bound can see the shift (fp32: defaults)
         failures.append(f"{size - n} padded samples, yet the naive loss is off by only {off:.2e}")
     return failures
 
@@ -133,17 +168,27 @@ def check_predictions(by_index, ref_pred, ties):
     indices, pred, n = [i for i, _ in by_index], dict(by_index), len(ref_pred)
     twice, missing = len(indices) - len(set(indices)), n - len(set(indices) & set(range(n)))
     wrong = sum(pred[i] != r for i, r in enumerate(ref_pred.tolist()) if i in pred)
-    print0(f"rank 0 gathered {len(indices)} predictions for {n} samples: {twice} duplicates, {missing} missing, "
-           f"{wrong} differ from one process's argmax")
+    print0(
+        f"rank 0 gathered {len(indices)} predictions for {n} samples: {twice} duplicates, {missing} missing, "
+        f"{wrong} differ from one process's argmax"
+    )
     return [f"gathered predictions: {twice} duplicates, {missing} missing, {wrong} wrong"] * bool(
-        twice or missing or wrong > ties)
+        twice or missing or wrong > ties
+    )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--samples", type=int, default=100, help="data set size (100: 3 ranks do not divide it)")
+    parser.add_argument(
+        "--samples", type=int, default=100, help="data set size (100: 3 ranks do not divide it)"
+    )
     parser.add_argument("--batch", type=int, default=16, help="evaluation batch per rank")
-    parser.add_argument("--train-steps", type=int, default=50, help="full-batch Adam steps before evaluating")
-    test_flags(parser).add_argument("--no-mask", action="store_true",
-                                    help="count the sampler's padding as real samples: the exact checks fail")
+    parser.add_argument(
+        "--train-steps", type=int, default=50, help="full-batch Adam steps before evaluating"
+    )
+    test_flags(parser).add_argument(
+        "--no-mask",
+        action="store_true",
+        help="count the sampler's padding as real samples: the exact checks fail",
+    )
     run(main, parser.parse_args())

@@ -12,6 +12,7 @@ computes the same statistics by hand: one all_reduce of [sum, sum of squares, co
 
 Docs: https://pytorch.org/docs/stable/generated/torch.nn.SyncBatchNorm.html
 """
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -23,18 +24,26 @@ def main(args, ctx):
     W, C = ctx.world_size, args.channels
     sizes = [args.batch + r for r in range(W)]  # uneven shares: SyncBatchNorm allows that
     g = torch.Generator().manual_seed(0)  # CPU generator: the same data on every device
-    full = torch.randn(sum(sizes), C, generator=g, device="cpu") * 3 + torch.arange(C, device="cpu")  # own means
-    lo = sum(sizes[:ctx.rank])
-    x = full[lo:lo + sizes[ctx.rank]].to(ctx.device)
+    full = torch.randn(sum(sizes), C, generator=g, device="cpu") * 3 + torch.arange(
+        C, device="cpu"
+    )  # own means
+    lo = sum(sizes[: ctx.rank])
+    x = full[lo : lo + sizes[ctx.rank]].to(ctx.device)
 
     bn = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(C)).to(ctx.device))
     try:
         out = bn(x)
         running_mean, running_var = bn[0].running_mean, bn[0].running_var
         how = "nn.SyncBatchNorm"
-    except ValueError as error:  # CPU tensors: "SyncBatchNorm expected input tensor to be on GPU..."
-        print0(f"SyncBatchNorm on {ctx.device.type}: {str(error).splitlines()[0]}; computing it by hand")
-        stats = torch.stack([x.sum(0), (x * x).sum(0), torch.full((C,), float(len(x)), device=x.device)])
+    except (
+        ValueError
+    ) as error:  # CPU tensors: "SyncBatchNorm expected input tensor to be on GPU..."
+        print0(
+            f"SyncBatchNorm on {ctx.device.type}: {str(error).splitlines()[0]}; computing it by hand"
+        )
+        stats = torch.stack(
+            [x.sum(0), (x * x).sum(0), torch.full((C,), float(len(x)), device=x.device)]
+        )
         dist.all_reduce(stats)  # SUM over ranks: global sum, sum of squares, count
         total, squares, count = stats
         mean = total / count
@@ -47,21 +56,31 @@ def main(args, ctx):
 
     # Independent reference: one BatchNorm on the whole global batch, in one process, on ctx.device.
     ref = nn.BatchNorm1d(C).to(ctx.device)
-    ref_out = ref(full.to(ctx.device))[lo:lo + sizes[ctx.rank]]
+    ref_out = ref(full.to(ctx.device))[lo : lo + sizes[ctx.rank]]
     local_mean = x.mean(0)
-    print_in_order(f"{len(x)} rows; channel-0 mean of my rows {local_mean[0].item():+.3f}, "
-                   f"global {running_mean[0].item() / 0.1:+.3f}")
-    diffs = [(out.detach() - ref_out.detach()).abs().max().item(),
-             (running_mean - ref.running_mean).abs().max().item(),
-             (running_var - ref.running_var).abs().max().item()]
-    print0(f"max diff against BatchNorm on the whole batch: output {diffs[0]:.1e}, "
-           f"running mean {diffs[1]:.1e}, running var {diffs[2]:.1e}")
+    print_in_order(
+        f"{len(x)} rows; channel-0 mean of my rows {local_mean[0].item():+.3f}, "
+        f"global {running_mean[0].item() / 0.1:+.3f}"
+    )
+    diffs = [
+        (out.detach() - ref_out.detach()).abs().max().item(),
+        (running_mean - ref.running_mean).abs().max().item(),
+        (running_var - ref.running_var).abs().max().item(),
+    ]
+    print0(
+        f"max diff against BatchNorm on the whole batch: output {diffs[0]:.1e}, "
+        f"running mean {diffs[1]:.1e}, running var {diffs[2]:.1e}"
+    )
     # Same device, float32: the statistics differ by summation order only (sums over ranks, or
     # SyncBatchNorm's per-rank Welford merge, vs one pass), values |x| < ~15: about 1e-6; bound 1e-4.
     if not max(diffs) <= 1e-4:
-        raise RuntimeError(f"statistics over {W} ranks differ from those of the whole batch: {diffs}")
-    print0(f"OK: batch statistics over {W} ranks ({how}) equal BatchNorm on the whole "
-           f"batch of {sum(sizes)} rows (max diff {max(diffs):.1e})")
+        raise RuntimeError(
+            f"statistics over {W} ranks differ from those of the whole batch: {diffs}"
+        )
+    print0(
+        f"OK: batch statistics over {W} ranks ({how}) equal BatchNorm on the whole "
+        f"batch of {sum(sizes)} rows (max diff {max(diffs):.1e})"
+    )
 
 
 if __name__ == "__main__":

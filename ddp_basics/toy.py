@@ -6,6 +6,7 @@ rank builds the same full data set; DistributedSampler gives each rank its share
 The rest is for the lessons' checks: `global_batches` rebuilds, by hand, what every rank's
 sampler handed out (the single-process reference trains on it), `flat` and `spread`.
 """
+
 import math
 
 import torch
@@ -16,7 +17,9 @@ from torch import nn
 
 def make_data(n, seed=0, classes=4, noise=0.15):
     """n points (x: float32 [n, 2], y: int64 [n]) on `classes` spirals."""
-    g = torch.Generator().manual_seed(seed)  # on the CPU: the same data on every device; callers .to(device)
+    g = torch.Generator().manual_seed(
+        seed
+    )  # on the CPU: the same data on every device; callers .to(device)
     y = torch.randint(0, classes, (n,), generator=g, device="cpu")
     t = torch.rand(n, generator=g, device="cpu") * 2.5 + 0.25  # radius and angle grow together
     angle = t * 2.0 + y.float() * (2 * math.pi / classes)
@@ -49,7 +52,9 @@ def fp32_tolerance(tol):
     (to first order): the bound scales the same way. Source: torch.get_float32_matmul_precision and
     https://pytorch.org/docs/stable/notes/cuda.html#tensorfloat-32-tf32-on-ampere-and-later-devices
     """
-    return tol * {"highest": 1, "high": 2**13, "medium": 2**16}[torch.get_float32_matmul_precision()]
+    return (
+        tol * {"highest": 1, "high": 2**13, "medium": 2**16}[torch.get_float32_matmul_precision()]
+    )
 
 
 def accuracy(model, x, y):
@@ -61,8 +66,10 @@ def sampler_order(n, world_size, rank, seed, epoch):
     """What DistributedSampler(shuffle=True, seed=seed, drop_last=False) hands `rank` in `epoch`, by
     hand (torch/utils/data/distributed.py, torch 2.13): a permutation seeded with seed + epoch,
     padded by wrapping to a multiple of world_size, then every world_size-th index from `rank` on."""
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch), device="cpu").tolist()
-    order += order[:-(-n // world_size) * world_size - n]
+    order = torch.randperm(
+        n, generator=torch.Generator().manual_seed(seed + epoch), device="cpu"
+    ).tolist()
+    order += order[: -(-n // world_size) * world_size - n]
     return order[rank::world_size]
 
 
@@ -71,7 +78,10 @@ def global_batches(n, world_size, seed, epoch, batch):
     concatenated. The ranks' batches have equal sizes, so the mean loss over the concatenation is
     the mean of the ranks' mean losses: what DDP's averaged gradient is the gradient of."""
     orders = [sampler_order(n, world_size, r, seed, epoch) for r in range(world_size)]
-    return [[i for order in orders for i in order[lo:lo + batch]] for lo in range(0, len(orders[0]), batch)]
+    return [
+        [i for order in orders for i in order[lo : lo + batch]]
+        for lo in range(0, len(orders[0]), batch)
+    ]
 
 
 def flat(model):

@@ -14,6 +14,7 @@ exports the full state dict, which a plain model loads with torch.load(weights_o
 
 Docs: https://pytorch.org/docs/stable/distributed.checkpoint.html
 """
+
 import os
 import shutil
 from pathlib import Path
@@ -22,8 +23,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -38,16 +43,25 @@ def save(model, opt, step, root, ctx, crash):
     if ctx.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # what a crashed save left behind
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, opt)  # this rank's shards, under the model's plain names
-    dcp.save({"model": model_sd, "optim": optim_sd, "step": step, "world_size": ctx.world_size}, checkpoint_id=tmp)
+    model_sd, optim_sd = get_state_dict(
+        model, opt
+    )  # this rank's shards, under the model's plain names
+    dcp.save(
+        {"model": model_sd, "optim": optim_sd, "step": step, "world_size": ctx.world_size},
+        checkpoint_id=tmp,
+    )
     if crash:
-        raise RuntimeError(f"simulated crash during save: {tmp.name} written, `latest` still names the previous one")
+        raise RuntimeError(
+            f"simulated crash during save: {tmp.name} written, `latest` still names the previous one"
+        )
     dist.barrier()  # every rank's files are complete before the directory is published
     if ctx.rank == 0:
         shutil.rmtree(root / name, ignore_errors=True)  # a stale copy, never the one `latest` names
         os.replace(tmp, root / name)
         (root / "latest.tmp").write_text(name)
-        os.replace(root / "latest.tmp", latest)  # the commit point: before it the old one is current
+        os.replace(
+            root / "latest.tmp", latest
+        )  # the commit point: before it the old one is current
         for old in sorted(root.glob("step_??????"))[:-2]:  # keep this one and the one before
             shutil.rmtree(old)
     dist.barrier()
@@ -57,14 +71,18 @@ def save(model, opt, step, root, ctx, crash):
 def load(model, opt, root):
     """Read the checkpoint `latest` names into this rank's shards, whatever N wrote it; return its step."""
     name = (root / "latest").read_text().strip()
-    model_sd, optim_sd = get_state_dict(model, opt)  # the shapes and shards to fill, at this world size
+    model_sd, optim_sd = get_state_dict(
+        model, opt
+    )  # the shapes and shards to fill, at this world size
     state = {"model": model_sd, "optim": optim_sd, "step": 0, "world_size": 0}
     dcp.load(state, checkpoint_id=root / name)  # each rank reads the slices it owns now, in place
     # The tensors above are the model's own shards, already filled; set_state_dict is still the documented
     # last step (post-processing, non-tensor values: dcp.load's docstring, torch 2.13).
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    print0(f"resumed from {name} (written by {state['world_size']} ranks) at step {state['step']} "
-           f"on {dist.get_world_size()} ranks")
+    print0(
+        f"resumed from {name} (written by {state['world_size']} ranks) at step {state['step']} "
+        f"on {dist.get_world_size()} ranks"
+    )
     return state["step"]
 
 
@@ -72,7 +90,9 @@ def start_fresh(root, ctx):
     """No checkpoint of an earlier run in `root` may be mistaken for this run's."""
     if ctx.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        (root / "latest").unlink(missing_ok=True)  # first, so that no pointer names a deleted directory
+        (root / "latest").unlink(
+            missing_ok=True
+        )  # first, so that no pointer names a deleted directory
         for old in root.glob("step_*"):
             shutil.rmtree(old)
     dist.barrier()
@@ -80,7 +100,10 @@ def start_fresh(root, ctx):
 
 
 def main(args, ctx):
-    ctx.require(args.batch % ctx.world_size == 0, f"--batch {args.batch} must divide by {ctx.world_size} ranks")
+    ctx.require(
+        args.batch % ctx.world_size == 0,
+        f"--batch {args.batch} must divide by {ctx.world_size} ranks",
+    )
     stop, root = args.stop_at or args.steps, Path(args.dir)
     ctx.require(0 < stop <= args.steps, f"--stop-at must be between 1 and --steps {args.steps}")
     ctx.require(not args.resume or (root / "latest").exists(), f"--resume: no checkpoint in {root}")
@@ -89,13 +112,20 @@ def main(args, ctx):
     torch.manual_seed(0)  # the same initial model on every rank (drawn on the CPU, then moved)
     model = BlockMLP(args.width, args.depth).to(ctx.device)
 
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))  # without it FSDP picks the accelerator
+    mesh = init_device_mesh(
+        ctx.device.type, (ctx.world_size,)
+    )  # without it FSDP picks the accelerator
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)  # its parameters become DTensors, Shard(0) (see fsdp_minimal.py)
+        fully_shard(
+            block, mesh=mesh
+        )  # its parameters become DTensors, Shard(0) (see fsdp_minimal.py)
     fully_shard(model, mesh=mesh)  # the root: inp and head
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)  # after fully_shard: it sees the shards
     start = load(model, opt, root) if args.resume else start_fresh(root, ctx)
-    ctx.require(start < stop, f"--resume: the checkpoint is at step {start}, nothing left before step {stop}")
+    ctx.require(
+        start < stop,
+        f"--resume: the checkpoint is at step {start}, nothing left before step {stop}",
+    )
     for step in range(start, stop):
         xb, yb = rank_batch(x, y, step, args.batch, ctx)
         loss = F.cross_entropy(model(xb), yb)
@@ -105,15 +135,20 @@ def main(args, ctx):
         if (step + 1) % args.save_every == 0 or step + 1 == stop:
             save(model, opt, step + 1, root, ctx, crash=args.crash_during_save and step + 1 == stop)
     # The full model on rank 0 only, in CPU memory: what a plain single-process user loads.
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if ctx.rank == 0:
         torch.save(full, root / "model.pt.tmp")
         os.replace(root / "model.pt.tmp", root / "model.pt")  # a reader never sees half a file
 
     diff = check_export_matches_one_process(root / "model.pt", x, y, stop, args, ctx)
-    print0(f"OK: trained steps {start}..{stop - 1} on {ctx.world_size} ranks" + " after resuming" * args.resume
-           + f"; the exported full state dict loads into a plain model and matches an uninterrupted run "
-           f"(max diff {diff:.1e})")
+    print0(
+        f"OK: trained steps {start}..{stop - 1} on {ctx.world_size} ranks"
+        + " after resuming" * args.resume
+        + f"; the exported full state dict loads into a plain model and matches an uninterrupted run "
+        f"(max diff {diff:.1e})"
+    )
 
 
 def check_export_matches_one_process(export, x, y, stop, args, ctx):
@@ -122,33 +157,56 @@ def check_export_matches_one_process(export, x, y, stop, args, ctx):
     reduce_scatter against one full batch), ~1e-7 after the default 8 steps, hence --tol 1e-5."""
     diff = torch.zeros(1, device=ctx.device)  # broadcast below: on the device the backend takes
     if ctx.rank == 0:
-        plain = BlockMLP(args.width, args.depth).to(ctx.device)  # load_state_dict copies the CPU tensors in
+        plain = BlockMLP(args.width, args.depth).to(
+            ctx.device
+        )  # load_state_dict copies the CPU tensors in
         plain.load_state_dict(torch.load(export, map_location="cpu", weights_only=True))
         torch.manual_seed(0)
         reference = BlockMLP(args.width, args.depth).to(ctx.device)
         train_one_process(reference, x, y, args.batch, stop, args.lr)
-        diff[0] = max((p - q).abs().max().item() for p, q in zip(plain.parameters(), reference.parameters()))
+        diff[0] = max(
+            (p - q).abs().max().item() for p, q in zip(plain.parameters(), reference.parameters())
+        )
         checksum = sum(p.double().abs().sum().item() for p in plain.parameters())
-        print(f"exported {export} ({export.stat().st_size:,} B); step {stop} params checksum {checksum:.6f}; "
-              f"max |param - uninterrupted single process| {diff.item():.2e} (tolerance {args.tol:g})", flush=True)
+        print(
+            f"exported {export} ({export.stat().st_size:,} B); step {stop} params checksum {checksum:.6f}; "
+            f"max |param - uninterrupted single process| {diff.item():.2e} (tolerance {args.tol:g})",
+            flush=True,
+        )
     dist.broadcast(diff, src=0)  # every rank fails together if the check fails
     if diff.item() > args.tol:
-        raise RuntimeError(f"the resumed training differs from an uninterrupted one by {diff.item():.2e}")
+        raise RuntimeError(
+            f"the resumed training differs from an uninterrupted one by {diff.item():.2e}"
+        )
     return diff.item()
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument("--dir", default="runs/fsdp_checkpoint", help="checkpoint directory")
-    parser.add_argument("--resume", action="store_true", help="go on from the checkpoint `latest` names")
+    parser.add_argument(
+        "--resume", action="store_true", help="go on from the checkpoint `latest` names"
+    )
     parser.add_argument("--steps", type=int, default=8, help="steps of the whole training")
-    parser.add_argument("--stop-at", type=int, default=0, help="stop after this step, as if interrupted (0: --steps)")
-    parser.add_argument("--save-every", type=int, default=2, help="save every N steps (and at the stop)")
+    parser.add_argument(
+        "--stop-at",
+        type=int,
+        default=0,
+        help="stop after this step, as if interrupted (0: --steps)",
+    )
+    parser.add_argument(
+        "--save-every", type=int, default=2, help="save every N steps (and at the stop)"
+    )
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=48, help="global batch, divisible by the world size")
+    parser.add_argument(
+        "--batch", type=int, default=48, help="global batch, divisible by the world size"
+    )
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--tol", type=float, default=1e-5)
-    test_flags(parser).add_argument("--crash-during-save", action="store_true",
-                                    help="raise in the last save after dcp.save wrote step_N.tmp, before publishing it")
+    test_flags(parser).add_argument(
+        "--crash-during-save",
+        action="store_true",
+        help="raise in the last save after dcp.save wrote step_N.tmp, before publishing it",
+    )
     run(main, parser.parse_args())

@@ -16,6 +16,7 @@ storages is what works on CPU too.
 Docs: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
       https://arxiv.org/abs/1910.02054 (ZeRO: the memory formulas)
 """
+
 import copy
 
 import torch
@@ -35,7 +36,11 @@ def measure(model, x, y, lr):
     def in_forward(block, inputs):  # runs after FSDP's own pre-forward hook: the block is unsharded
         gathered[0] = max(gathered[0], storage_bytes(block.parameters()))
 
-    hooks = [] if isinstance(model, DDP) else [b.register_forward_pre_hook(in_forward) for b in model.blocks]
+    hooks = (
+        []
+        if isinstance(model, DDP)
+        else [b.register_forward_pre_hook(in_forward) for b in model.blocks]
+    )
     held = step_bytes(model, torch.optim.Adam(model.parameters(), lr=lr), x, y)
     for hook in hooks:
         hook.remove()
@@ -51,48 +56,70 @@ def main(args, ctx):
     n_params = sum(p.numel() for p in reference.parameters())
 
     # gradient_as_bucket_view: the grads are views into DDP's all_reduce buckets, not a second copy.
-    ddp = measure(DDP(copy.deepcopy(reference), gradient_as_bucket_view=True), x[mine], y[mine], args.lr)
+    ddp = measure(
+        DDP(copy.deepcopy(reference), gradient_as_bucket_view=True), x[mine], y[mine], args.lr
+    )
     fsdp = {}
-    for name, policy in (("fp32", MixedPrecisionPolicy()),
-                         ("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))):
+    for name, policy in (
+        ("fp32", MixedPrecisionPolicy()),
+        ("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
+    ):
         model = copy.deepcopy(reference)
         for block in model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         held = torch.tensor(measure(model, x[mine], y[mine], args.lr), device=ctx.device)
         if name == "fp32":
-            print_in_order(f"FSDP: params {held[0]:,} B, grads {held[1]:,} B, Adam state {held[2]:,} B "
-                           f"= {held[3] / ddp[3]:.3f} of DDP's {ddp[3]:,} B")
-        dist.all_reduce(held, op=dist.ReduceOp.MAX)  # the rank that holds most (padding lands unevenly)
+            print_in_order(
+                f"FSDP: params {held[0]:,} B, grads {held[1]:,} B, Adam state {held[2]:,} B "
+                f"= {held[3] / ddp[3]:.3f} of DDP's {ddp[3]:,} B"
+            )
+        dist.all_reduce(
+            held, op=dist.ReduceOp.MAX
+        )  # the rank that holds most (padding lands unevenly)
         fsdp[name] = held.tolist()
 
     ideal = 1 / ctx.world_size
-    print0(f"\n{n_params:,} parameters ({args.depth} blocks of width {args.width}) on {ctx.world_size} ranks: "
-           f"bytes per rank (FSDP: the most any rank holds)")
+    print0(
+        f"\n{n_params:,} parameters ({args.depth} blocks of width {args.width}) on {ctx.world_size} ranks: "
+        f"bytes per rank (FSDP: the most any rank holds)"
+    )
     print0(f"{'':<15}{'DDP':>11}{'FSDP':>11}{'FSDP/DDP':>10}{'ideal':>7}{'FSDP bf16':>11}")
     for i, row in enumerate(["params", "grads", "Adam state", "total state", "gathered block"]):
         if i < 4:
-            print0(f"{row:<15}{ddp[i]:>11,}{fsdp['fp32'][i]:>11,}{fsdp['fp32'][i] / ddp[i]:>10.3f}"
-                   f"{ideal:>7.3f}{fsdp['bf16'][i]:>11,}")
+            print0(
+                f"{row:<15}{ddp[i]:>11,}{fsdp['fp32'][i]:>11,}{fsdp['fp32'][i] / ddp[i]:>10.3f}"
+                f"{ideal:>7.3f}{fsdp['bf16'][i]:>11,}"
+            )
         else:  # DDP never gathers: it holds every block in full all the time
             print0(f"{row:<15}{'-':>11}{fsdp['fp32'][i]:>11,}{'':>17}{fsdp['bf16'][i]:>11,}")
-    print0(f"per parameter: DDP {ddp[3] / n_params:.1f} B, FSDP {fsdp['fp32'][3] / n_params:.2f} B "
-           f"(16/N = {16 / ctx.world_size:.2f}), in the largest block bf16/fp32 = "
-           f"{fsdp['bf16'][4] / fsdp['fp32'][4]:.2f}\n")
+    print0(
+        f"per parameter: DDP {ddp[3] / n_params:.1f} B, FSDP {fsdp['fp32'][3] / n_params:.2f} B "
+        f"(16/N = {16 / ctx.world_size:.2f}), in the largest block bf16/fp32 = "
+        f"{fsdp['bf16'][4] / fsdp['fp32'][4]:.2f}\n"
+    )
 
     excess = fsdp["fp32"][3] / ddp[3] / ideal - 1
     if abs(excess) > 0.10:
-        raise RuntimeError(f"FSDP's state is {excess:+.1%} off 1/N of DDP's (padding? try a width divisible by N)")
+        raise RuntimeError(
+            f"FSDP's state is {excess:+.1%} off 1/N of DDP's (padding? try a width divisible by N)"
+        )
     if fsdp["bf16"][:4] != fsdp["fp32"][:4] or not fsdp["bf16"][4] < fsdp["fp32"][4]:
-        raise RuntimeError("bf16 params should keep the fp32 sharded state and gather a smaller block")
-    print0(f"OK: on {ctx.world_size} ranks FSDP holds {fsdp['fp32'][3] / ddp[3]:.3f} of DDP's per-rank "
-           f"state ({excess:+.1%} off the ideal 1/{ctx.world_size}); a bf16 gathered block is "
-           f"{fsdp['bf16'][4] / fsdp['fp32'][4]:.2f} of the fp32 one")
+        raise RuntimeError(
+            "bf16 params should keep the fp32 sharded state and gather a smaller block"
+        )
+    print0(
+        f"OK: on {ctx.world_size} ranks FSDP holds {fsdp['fp32'][3] / ddp[3]:.3f} of DDP's per-rank "
+        f"state ({excess:+.1%} off the ideal 1/{ctx.world_size}); a bf16 gathered block is "
+        f"{fsdp['bf16'][4] / fsdp['fp32'][4]:.2f} of the fp32 one"
+    )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--width", type=int, default=240, help="block width (240: N = 2, 3, 4 divide it)")
+    parser.add_argument(
+        "--width", type=int, default=240, help="block width (240: N = 2, 3, 4 divide it)"
+    )
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16, help="examples per rank")
     parser.add_argument("--lr", type=float, default=1e-3)

@@ -17,6 +17,7 @@ exactly the bytes the plan predicted. Then what FSDP does not shard: activations
 Docs: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
       https://pytorch.org/docs/stable/meta.html, https://pytorch.org/docs/stable/autograd.html#saved-tensors-hooks
 """
+
 import math
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
@@ -36,16 +37,22 @@ def plan(width, depth, ranks_of, shard=True):
     process that has no process group (see main): each (N, r) gets a fake default group of its own."""
     held = {}
     for n, r in ranks_of:
-        dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=n)  # no peers, no memory
+        dist.init_process_group(
+            "fake", store=FakeStore(), rank=r, world_size=n
+        )  # no peers, no memory
         try:
             with torch.device("meta"):
                 model = BlockMLP(width, depth)
-            mesh = init_device_mesh("cpu", (n,))  # the plan's mesh: only its size and our rank matter
+            mesh = init_device_mesh(
+                "cpu", (n,)
+            )  # the plan's mesh: only its size and our rank matter
             if shard:  # the taught step: per block, then the root, as for real
                 for block in model.blocks:
                     fully_shard(block, mesh=mesh)
                 fully_shard(model, mesh=mesh)
-            shards = [p.to_local() if shard else p for p in model.parameters()]  # rank r's rows, on meta
+            shards = [
+                p.to_local() if shard else p for p in model.parameters()
+            ]  # rank r's rows, on meta
             # FSDP2 stores each shard padded to ceil(rows / N) rows (a meta storage still knows its size);
             # its gradients are views of one reduce_scatter output of padded shards (_fsdp_collectives.py).
             stored = sum(s.untyped_storage().nbytes() for s in shards)
@@ -58,15 +65,26 @@ def plan(width, depth, ranks_of, shard=True):
 
 
 def main(args, ctx):
-    ctx.require(args.width >= 1 and args.depth >= 1 and args.tokens >= 1 and args.real_width >= 1,
-                "--width, --depth, --tokens and --real-width must be at least 1")
+    ctx.require(
+        args.width >= 1 and args.depth >= 1 and args.tokens >= 1 and args.real_width >= 1,
+        "--width, --depth, --tokens and --real-width must be at least 1",
+    )
     ctx.require(args.max_ranks >= 8, f"--max-ranks must be at least 8, got {args.max_ranks}")
-    sizes = [2 ** k for k in range(3, int(math.log2(args.max_ranks)) + 1)]  # 8, 16, ..., max
-    if ctx.rank == 0:  # the planner: a fresh process (spawn), where the fake group can be the default one
+    sizes = [2**k for k in range(3, int(math.log2(args.max_ranks)) + 1)]  # 8, 16, ..., max
+    if (
+        ctx.rank == 0
+    ):  # the planner: a fresh process (spawn), where the fake group can be the default one
         planner = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        big = planner.submit(plan, args.width, args.depth, [(n, 0) for n in sizes], not args.no_shard)
-        small = planner.submit(plan, args.real_width, 2, [(ctx.world_size, r) for r in range(ctx.world_size)],
-                               not args.no_shard)
+        big = planner.submit(
+            plan, args.width, args.depth, [(n, 0) for n in sizes], not args.no_shard
+        )
+        small = planner.submit(
+            plan,
+            args.real_width,
+            2,
+            [(ctx.world_size, r) for r in range(ctx.world_size)],
+            not args.no_shard,
+        )
     # Meanwhile the real thing, at this world size: the small model sharded for real, one Adam step.
     model = BlockMLP(args.real_width, 2).to(ctx.device)
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
@@ -77,22 +95,28 @@ def main(args, ctx):
     measured = step_bytes(model, torch.optim.Adam(model.parameters(), lr=1e-3), x, y)
     held = [None] * ctx.world_size if ctx.rank == 0 else None
     dist.gather_object(measured, held, dst=0)  # pickles: fine between our own ranks
-    if ctx.rank != 0:  # done: only rank 0 waits for the planner, so no collective can time out meanwhile
+    if (
+        ctx.rank != 0
+    ):  # done: only rank 0 waits for the planner, so no collective can time out meanwhile
         return
     big, small = big.result(), small.result()
     planner.shutdown()
     # Activations, which FSDP does not shard: what one block keeps for backward, at three token counts.
-    activations = saved_for_backward(Block(args.real_width).to(ctx.device), (16, 32, 64), ctx, args.count_params)
+    activations = saved_for_backward(
+        Block(args.real_width).to(ctx.device), (16, 32, 64), ctx, args.count_params
+    )
     failures = check_activations(activations, args.real_width)
     print_plan(big, args, sizes)
     failures += check_plan_against_formula(big, args.width, args.depth, sizes)
     failures += check_plan_against_real_run(small, held, ctx)
     if failures:
         raise RuntimeError("; ".join(failures))
-    print0(f"OK: fully_shard on a fake group planned {args.depth} blocks of width {args.width} for "
-           f"{sizes[0]}..{sizes[-1]} ranks as the ceil-rows formula says, and predicted to the byte what each "
-           f"of {ctx.world_size} real ranks holds after a step; activations, which FSDP does not shard, are "
-           f"8 x width B per token and block")
+    print0(
+        f"OK: fully_shard on a fake group planned {args.depth} blocks of width {args.width} for "
+        f"{sizes[0]}..{sizes[-1]} ranks as the ceil-rows formula says, and predicted to the byte what each "
+        f"of {ctx.world_size} real ranks holds after a step; activations, which FSDP does not shard, are "
+        f"8 x width B per token and block"
+    )
 
 
 def formula(width, depth, n, r):
@@ -109,18 +133,26 @@ def formula(width, depth, n, r):
 
 
 def check_plan_against_formula(big, width, depth, sizes):
-    wrong = [f"N={n}: plan {big[n, 0]} != formula {formula(width, depth, n, 0)}"
-             for n in sizes if big[n, 0] != formula(width, depth, n, 0)]
+    wrong = [
+        f"N={n}: plan {big[n, 0]} != formula {formula(width, depth, n, 0)}"
+        for n in sizes
+        if big[n, 0] != formula(width, depth, n, 0)
+    ]
     return [f"fake-group plan differs from the ceil-rows formula: {'; '.join(wrong)}"] * bool(wrong)
 
 
 def check_plan_against_real_run(small, held, ctx):
     """Bytes are counts: equal, not close, on any device (the state is fp32 on every one)."""
     for r, measured in enumerate(held):
-        print0(f"[rank {r}] params, grads, Adam bytes: planned {small[ctx.world_size, r]}, "
-               f"measured after a step {measured}")
-    return [f"rank {r} holds {m} after a step, the plan said {small[ctx.world_size, r]}"
-            for r, m in enumerate(held) if m != small[ctx.world_size, r]]
+        print0(
+            f"[rank {r}] params, grads, Adam bytes: planned {small[ctx.world_size, r]}, "
+            f"measured after a step {measured}"
+        )
+    return [
+        f"rank {r} holds {m} after a step, the plan said {small[ctx.world_size, r]}"
+        for r, m in enumerate(held)
+        if m != small[ctx.world_size, r]
+    ]
 
 
 def saved_for_backward(block, token_counts, ctx, count_params=False):
@@ -131,11 +163,15 @@ def saved_for_backward(block, token_counts, ctx, count_params=False):
         saved = {}
 
         def pack(t):
-            if t.untyped_storage().data_ptr() not in params:  # the weight (saved for x's grad) is no activation
+            if (
+                t.untyped_storage().data_ptr() not in params
+            ):  # the weight (saved for x's grad) is no activation
                 saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
 
-        x = torch.randn(tokens, block.fc.in_features, device=ctx.device, requires_grad=True)  # as inside a model
+        x = torch.randn(
+            tokens, block.fc.in_features, device=ctx.device, requires_grad=True
+        )  # as inside a model
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             block(x).sum().backward()
         seen.append((tokens, sum(saved.values())))
@@ -146,38 +182,72 @@ def check_activations(seen, width):
     """8 B per token and width unit: the fp32 input of the Linear (addmm saves it for the weight's grad)
     and the output of tanh (its backward uses it); the residual add saves nothing
     (torchgen/packaged/autograd/derivatives.yaml, in the wheel). Byte counts: equal, not close."""
-    print0(f"one Block of width {width} keeps for backward: " + ", ".join(f"{t} tokens {b:,} B" for t, b in seen)
-           + f" (8 x tokens x width: {', '.join(f'{8 * t * width:,}' for t, _ in seen)})")
-    return [f"activations {seen} != 8 x tokens x {width} B"] * any(b != 8 * t * width for t, b in seen)
+    print0(
+        f"one Block of width {width} keeps for backward: "
+        + ", ".join(f"{t} tokens {b:,} B" for t, b in seen)
+        + f" (8 x tokens x width: {', '.join(f'{8 * t * width:,}' for t, _ in seen)})"
+    )
+    return [f"activations {seen} != 8 x tokens x {width} B"] * any(
+        b != 8 * t * width for t, b in seen
+    )
 
 
 def print_plan(big, args, sizes):
     with torch.device("meta"):
         n_params = sum(p.numel() for p in BlockMLP(args.width, args.depth).parameters())
-    gib, acts = 2 ** 30, 8 * args.width * args.tokens * args.depth  # the formula check_activations checks
-    print0(f"plan: {args.depth} blocks of width {args.width}, {n_params:,} parameters, {16 * n_params / gib:.1f} "
-           f"GiB of fp32 params, grads and Adam state in one process; GiB per rank (rank 0: it holds the most)")
-    print0(f"{'N':>6}{'params':>9}{'grads':>9}{'Adam':>9}{'state':>9}{'activations':>13}{'total':>9}"
-           f"  (activations: {args.tokens} tokens per rank)")
+    gib, acts = (
+        2**30,
+        8 * args.width * args.tokens * args.depth,
+    )  # the formula check_activations checks
+    print0(
+        f"plan: {args.depth} blocks of width {args.width}, {n_params:,} parameters, {16 * n_params / gib:.1f} "
+        f"GiB of fp32 params, grads and Adam state in one process; GiB per rank (rank 0: it holds the most)"
+    )
+    print0(
+        f"{'N':>6}{'params':>9}{'grads':>9}{'Adam':>9}{'state':>9}{'activations':>13}{'total':>9}"
+        f"  (activations: {args.tokens} tokens per rank)"
+    )
     for n in sizes:
         p, g, a = (b / gib for b in big[n, 0])
-        print0(f"{n:>6}{p:>9.3f}{g:>9.3f}{a:>9.3f}{p + g + a:>9.3f}{acts / gib:>13.3f}{p + g + a + acts / gib:>9.3f}")
+        print0(
+            f"{n:>6}{p:>9.3f}{g:>9.3f}{a:>9.3f}{p + g + a:>9.3f}{acts / gib:>13.3f}{p + g + a + acts / gib:>9.3f}"
+        )
     over = [n for n in sizes if sum(big[n, 0]) < acts]
-    where = f"from N = {over[0]} on they outweigh the sharded state" if over else "they stay below the state"
-    print0(f"activations are not sharded: {where} (fewer tokens per rank, activation checkpointing or "
-           f"sequence/context parallelism shrink them)")
+    where = (
+        f"from N = {over[0]} on they outweigh the sharded state"
+        if over
+        else "they stay below the state"
+    )
+    print0(
+        f"activations are not sharded: {where} (fewer tokens per rank, activation checkpointing or "
+        f"sequence/context parallelism shrink them)"
+    )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--width", type=int, default=16384, help="planned model: block width (meta: no memory)")
+    parser.add_argument(
+        "--width", type=int, default=16384, help="planned model: block width (meta: no memory)"
+    )
     parser.add_argument("--depth", type=int, default=16, help="planned model: number of blocks")
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank per step, for the activations")
-    parser.add_argument("--max-ranks", type=int, default=1024, help="plan for 8, 16, ... up to this many ranks")
-    parser.add_argument("--real-width", type=int, default=62, help="the model really sharded (62: 3 and 4 pad)")
+    parser.add_argument(
+        "--tokens", type=int, default=4096, help="tokens per rank per step, for the activations"
+    )
+    parser.add_argument(
+        "--max-ranks", type=int, default=1024, help="plan for 8, 16, ... up to this many ranks"
+    )
+    parser.add_argument(
+        "--real-width", type=int, default=62, help="the model really sharded (62: 3 and 4 pad)"
+    )
     tests = test_flags(parser)
-    tests.add_argument("--no-shard", action="store_true",
-                       help="plan without fully_shard: the plan and the real run disagree")
-    tests.add_argument("--count-params", action="store_true",
-                       help="count the saved weight as an activation: the activation check fails")
+    tests.add_argument(
+        "--no-shard",
+        action="store_true",
+        help="plan without fully_shard: the plan and the real run disagree",
+    )
+    tests.add_argument(
+        "--count-params",
+        action="store_true",
+        help="count the saved weight as an activation: the activation check fails",
+    )
     run(main, parser.parse_args())

@@ -15,6 +15,7 @@ measures both, and checks that FSDP trains like one process on the whole batch (
 Docs: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
       https://pytorch.org/docs/stable/distributed.tensor.html (DTensor)
 """
+
 import copy
 
 import torch
@@ -28,13 +29,18 @@ from toy import BlockMLP, make_data, rank_batch, storage_bytes, train_one_proces
 
 
 def main(args, ctx):
-    ctx.require(args.batch % ctx.world_size == 0, f"--batch {args.batch} must divide by {ctx.world_size} ranks")
+    ctx.require(
+        args.batch % ctx.world_size == 0,
+        f"--batch {args.batch} must divide by {ctx.world_size} ranks",
+    )
     x, y = (t.to(ctx.device) for t in make_data(args.batch * args.steps))
     torch.manual_seed(0)  # the same initial model on every rank (drawn on the CPU, then moved)
     model = BlockMLP(args.width, args.depth).to(ctx.device)
     reference = copy.deepcopy(model)  # for the checks
 
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))  # without it FSDP picks the accelerator
+    mesh = init_device_mesh(
+        ctx.device.type, (ctx.world_size,)
+    )  # without it FSDP picks the accelerator
     for block in model.blocks:
         fully_shard(block, mesh=mesh)  # its parameters become DTensors, Shard(0) (see print_shards)
     fully_shard(model, mesh=mesh)  # the root: inp and head
@@ -51,18 +57,24 @@ def main(args, ctx):
     print_shards(model)
     held = measure_reshard_after_forward(reference, mesh, x, y, args, ctx)
     worst = check_matches_one_process(model, losses, reference, x, y, args)
-    print0(f"OK: fully_shard per block + root on {ctx.world_size} ranks trains like one process for {args.steps} "
-           f"steps (max diff {worst:.1e}); a block holds {held[True]} B instead of {held[False]} B "
-           f"between forward and backward when resharded")
+    print0(
+        f"OK: fully_shard per block + root on {ctx.world_size} ranks trains like one process for {args.steps} "
+        f"steps (max diff {worst:.1e}); a block holds {held[True]} B instead of {held[False]} B "
+        f"between forward and backward when resharded"
+    )
 
 
 def print_shards(model):
     # A DTensor is a torch.Tensor that also knows its device mesh and its placement on it; Shard(0): each
     # rank holds a slice of dim 0 (https://pytorch.org/docs/stable/distributed.tensor.html).
-    print0("global shapes: " + ", ".join(f"{n} {tuple(p.shape)}" for n, p in model.named_parameters()))
+    print0(
+        "global shapes: " + ", ".join(f"{n} {tuple(p.shape)}" for n, p in model.named_parameters())
+    )
     param = model.blocks[0].fc.weight
-    print_in_order(f"{type(param).__name__} placements {param.placements}; local shards: "
-                   + ", ".join(f"{n} {tuple(p.to_local().shape)}" for n, p in model.named_parameters()))
+    print_in_order(
+        f"{type(param).__name__} placements {param.placements}; local shards: "
+        + ", ".join(f"{n} {tuple(p.to_local().shape)}" for n, p in model.named_parameters())
+    )
 
 
 def measure_reshard_after_forward(reference, mesh, x, y, args, ctx):
@@ -72,15 +84,21 @@ def measure_reshard_after_forward(reference, mesh, x, y, args, ctx):
         probe = copy.deepcopy(reference)
         for block in probe.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(probe, mesh=mesh)  # the root: default None, i.e. False (backward needs it first)
+        fully_shard(
+            probe, mesh=mesh
+        )  # the root: default None, i.e. False (backward needs it first)
         xb, yb = rank_batch(x, y, 0, args.batch, ctx)
         loss = F.cross_entropy(probe(xb), yb)
         held[reshard] = storage_bytes(probe.blocks[0].parameters())
         loss.backward()  # every rank runs the same collectives, then the probe is dropped
-    print0(f"block 0 between forward and backward: {held[True]} B with reshard_after_forward=True "
-           f"(its shard), {held[False]} B with False (the full block; no all_gather in backward)")
+    print0(
+        f"block 0 between forward and backward: {held[True]} B with reshard_after_forward=True "
+        f"(its shard), {held[False]} B with False (the full block; no all_gather in backward)"
+    )
     if ctx.world_size > 1 and not held[True] < held[False]:  # at 1 rank the shard is the block
-        raise RuntimeError("reshard_after_forward=True should hold less between forward and backward")
+        raise RuntimeError(
+            "reshard_after_forward=True should hold less between forward and backward"
+        )
     return held
 
 
@@ -96,11 +114,16 @@ def check_matches_one_process(model, losses, reference, x, y, args):
     dist.all_reduce(losses, op=dist.ReduceOp.AVG)  # equal shares: the loss of the global batch
     worst_loss = (losses - ref_losses).abs().max().item()
     # full_tensor() all_gathers a DTensor's shards into the whole tensor: every rank calls it.
-    worst = max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    worst = max(
+        (p.full_tensor() - q).abs().max().item()
+        for p, q in zip(model.parameters(), reference.parameters())
+    )
     for step in (0, args.steps - 1):
         print0(f"step {step}: loss FSDP {losses[step]:.6f}, one process {ref_losses[step]:.6f}")
-    print0(f"max |loss FSDP - loss one process| over {args.steps} steps {worst_loss:.2e}, "
-           f"max |param FSDP - param one process| {worst:.2e} (tolerance {args.tol:g})")
+    print0(
+        f"max |loss FSDP - loss one process| over {args.steps} steps {worst_loss:.2e}, "
+        f"max |param FSDP - param one process| {worst:.2e} (tolerance {args.tol:g})"
+    )
     if worst > args.tol or worst_loss > args.tol:
         raise RuntimeError(f"FSDP and one process differ by {max(worst, worst_loss):.2e}")
     return max(worst, worst_loss)
@@ -110,8 +133,12 @@ if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=48, help="global batch, divisible by the world size")
+    parser.add_argument(
+        "--batch", type=int, default=48, help="global batch, divisible by the world size"
+    )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--tol", type=float, default=1e-4, help="largest |FSDP - one process| (loss, params)")
+    parser.add_argument(
+        "--tol", type=float, default=1e-4, help="largest |FSDP - one process| (loss, params)"
+    )
     run(main, parser.parse_args())

@@ -13,6 +13,7 @@ dtype where it occurs and checks that the loss stays close to fp32 training in o
 
 Docs: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html#torch.distributed.fsdp.MixedPrecisionPolicy
 """
+
 import copy
 
 import torch
@@ -26,13 +27,18 @@ from toy import BlockMLP, make_data, rank_batch, train_one_process
 
 
 def main(args, ctx):
-    ctx.require(args.batch % ctx.world_size == 0, f"--batch {args.batch} must divide by {ctx.world_size} ranks")
+    ctx.require(
+        args.batch % ctx.world_size == 0,
+        f"--batch {args.batch} must divide by {ctx.world_size} ranks",
+    )
     x, y = (t.to(ctx.device) for t in make_data(args.batch * args.steps))
     torch.manual_seed(0)  # the same initial model on every rank (drawn on the CPU, then moved)
     model = BlockMLP(args.width, args.depth).to(ctx.device)
     reference = copy.deepcopy(model)  # for the checks
 
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))  # without it FSDP picks the accelerator
+    mesh = init_device_mesh(
+        ctx.device.type, (ctx.world_size,)
+    )  # without it FSDP picks the accelerator
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=bf16)
@@ -49,27 +55,37 @@ def main(args, ctx):
 
     check_dtypes(model, reference, *rank_batch(x, y, 0, args.batch, ctx))
     diff = check_tracks_fp32(losses, reference, x, y, args)
-    print0(f"OK: bf16 compute with fp32 master shards and fp32 reduce_scatter on {ctx.world_size} ranks "
-           f"tracks fp32 training within {diff:.4f} (tolerance {args.tol:g}) over {args.steps} steps")
+    print0(
+        f"OK: bf16 compute with fp32 master shards and fp32 reduce_scatter on {ctx.world_size} ranks "
+        f"tracks fp32 training within {diff:.4f} (tolerance {args.tol:g}) over {args.steps} steps"
+    )
 
 
 def check_dtypes(model, reference, x, y):
     """One more forward and backward (no step), with hooks that note each dtype where it occurs."""
     seen, block = {}, model.blocks[0]
 
-    def before_forward(module, inputs):  # runs after FSDP's pre-forward hook: the block is unsharded
+    def before_forward(
+        module, inputs
+    ):  # runs after FSDP's pre-forward hook: the block is unsharded
         weight = module.fc.weight
         seen["gathered param"] = f"{weight.dtype} {tuple(weight.shape)} {type(weight).__name__}"
         seen["block input"] = inputs[0].dtype
         weight.register_hook(lambda grad: seen.update({"unsharded grad": grad.dtype}))
 
-    hooks = [block.register_forward_pre_hook(before_forward),
-             block.register_forward_hook(lambda module, inputs, out: seen.update({"block output": out.dtype}))]
+    hooks = [
+        block.register_forward_pre_hook(before_forward),
+        block.register_forward_hook(
+            lambda module, inputs, out: seen.update({"block output": out.dtype})
+        ),
+    ]
     logits = model(x)
     F.cross_entropy(logits.float(), y).backward()
     weight = block.fc.weight  # after backward: sharded again
     seen["logits (bf16)"] = logits.dtype
-    seen["sharded param"] = f"{weight.dtype} {tuple(weight.to_local().shape)} {type(weight).__name__}"
+    seen["sharded param"] = (
+        f"{weight.dtype} {tuple(weight.to_local().shape)} {type(weight).__name__}"
+    )
     seen["sharded grad"] = f"{weight.grad.dtype} {tuple(weight.grad.to_local().shape)}"
     seen["logits (fp32)"] = reference(x).dtype
     model.zero_grad()
@@ -77,8 +93,14 @@ def check_dtypes(model, reference, x, y):
         hook.remove()
     print0("dtypes (block 0 of the bf16 policy unless marked):")
     print0("\n".join(f"  {key:<16} {value}" for key, value in seen.items()))
-    expected = {"gathered param": "torch.bfloat16", "unsharded grad": torch.bfloat16, "sharded param": "torch.float32",
-                "sharded grad": "torch.float32", "block output": torch.bfloat16, "logits (fp32)": torch.float32}
+    expected = {
+        "gathered param": "torch.bfloat16",
+        "unsharded grad": torch.bfloat16,
+        "sharded param": "torch.float32",
+        "sharded grad": "torch.float32",
+        "block output": torch.bfloat16,
+        "logits (fp32)": torch.float32,
+    }
     wrong = {k: seen[k] for k, v in expected.items() if not str(seen[k]).startswith(str(v))}
     if wrong:
         raise RuntimeError(f"unexpected dtypes: {wrong}")
@@ -89,12 +111,16 @@ def check_tracks_fp32(losses, reference, x, y, args):
     slowly: measured on CPU 0.0028 after the default 30 steps, 0.012 after 200 steps at 4 ranks. GPU bf16
     matmuls accumulate in fp32 like CPU ones, so expect the same order; --tol 0.04 leaves 3x over the
     200-step drift, and a bf16 run that does not learn is ~0.5 off."""
-    ref_losses = train_one_process(reference, x, y, args.batch, args.steps, args.lr)  # fp32, one process
+    ref_losses = train_one_process(
+        reference, x, y, args.batch, args.steps, args.lr
+    )  # fp32, one process
     losses = torch.stack(losses)
     dist.all_reduce(losses, op=dist.ReduceOp.AVG)  # equal shares: the loss of the global batch
     diff = (losses - ref_losses).abs().max().item()
-    print0(f"loss fp32 {ref_losses[0]:.4f} -> {ref_losses[-1]:.4f}, bf16 {losses[0]:.4f} -> {losses[-1]:.4f}; "
-           f"max |diff| over {args.steps} steps {diff:.4f} (tolerance {args.tol:g})")
+    print0(
+        f"loss fp32 {ref_losses[0]:.4f} -> {ref_losses[-1]:.4f}, bf16 {losses[0]:.4f} -> {losses[-1]:.4f}; "
+        f"max |diff| over {args.steps} steps {diff:.4f} (tolerance {args.tol:g})"
+    )
     if diff > args.tol or not losses[-1] < losses[0]:
         raise RuntimeError(f"bf16 training is {diff:.4f} off fp32 or did not learn")
     return diff
@@ -104,8 +130,12 @@ if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=48, help="global batch, divisible by the world size")
+    parser.add_argument(
+        "--batch", type=int, default=48, help="global batch, divisible by the world size"
+    )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--tol", type=float, default=0.04, help="largest |loss bf16 - loss fp32| allowed")
+    parser.add_argument(
+        "--tol", type=float, default=0.04, help="largest |loss bf16 - loss fp32| allowed"
+    )
     run(main, parser.parse_args())

@@ -15,6 +15,7 @@ memory needs an accelerator).
 Docs: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html#torch.distributed.fsdp.CPUOffloadPolicy
       https://pytorch.org/docs/stable/meta.html
 """
+
 import math
 
 import torch
@@ -35,28 +36,46 @@ def init_shards_(model):
     for module in model.modules():
         if isinstance(module, nn.Linear):  # modules() runs in the order the constructor drew
             # On the CPU, as a normal build draws: the same numbers on any machine; one full parameter at a time
-            weight, bias = torch.empty(module.weight.shape, device="cpu"), torch.empty(module.bias.shape, device="cpu")
+            weight, bias = (
+                torch.empty(module.weight.shape, device="cpu"),
+                torch.empty(module.bias.shape, device="cpu"),
+            )
             nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
             nn.init.uniform_(bias, -1 / math.sqrt(weight.shape[1]), 1 / math.sqrt(weight.shape[1]))
             for sharded, full in ((module.weight, weight), (module.bias, bias)):
                 # src_data_rank=None: every rank drew the same full tensor and keeps its slice, no traffic
-                mine = distribute_tensor(full, sharded.device_mesh, sharded.placements, src_data_rank=None)
-                sharded.to_local().copy_(mine.to_local())  # into my shard, wherever it lives (offloaded: CPU)
+                mine = distribute_tensor(
+                    full, sharded.device_mesh, sharded.placements, src_data_rank=None
+                )
+                sharded.to_local().copy_(
+                    mine.to_local()
+                )  # into my shard, wherever it lives (offloaded: CPU)
 
 
 def main(args, ctx):
-    ctx.require(args.batch % ctx.world_size == 0, f"--batch {args.batch} must divide by {ctx.world_size} ranks")
+    ctx.require(
+        args.batch % ctx.world_size == 0,
+        f"--batch {args.batch} must divide by {ctx.world_size} ranks",
+    )
     x, y = (t.to(ctx.device) for t in make_data(args.batch * args.steps))
-    torch.manual_seed(0)  # the same draws on every rank (on the CPU), in the order a normal build makes them
+    torch.manual_seed(
+        0
+    )  # the same draws on every rank (on the CPU), in the order a normal build makes them
     with torch.device("meta"):
         model = BlockMLP(args.width, args.depth)  # shapes only: nothing allocated, nothing drawn
 
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))  # without it FSDP picks the accelerator
-    offload = CPUOffloadPolicy(pin_memory=ctx.device.type != "cpu")  # pinned memory needs an accelerator
+    mesh = init_device_mesh(
+        ctx.device.type, (ctx.world_size,)
+    )  # without it FSDP picks the accelerator
+    offload = CPUOffloadPolicy(
+        pin_memory=ctx.device.type != "cpu"
+    )  # pinned memory needs an accelerator
     for block in model.blocks:
         fully_shard(block, mesh=mesh, offload_policy=offload)
     fully_shard(model, mesh=mesh, offload_policy=offload)
-    model.to_empty(device="cpu")  # this rank's shards only, uninitialised; offloaded shards live on CPU
+    model.to_empty(
+        device="cpu"
+    )  # this rank's shards only, uninitialised; offloaded shards live on CPU
     init_shards_(model)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)  # steps on the CPU, where the shards are
     losses = []
@@ -71,8 +90,10 @@ def main(args, ctx):
     check_init_like_a_normal_build(args, mesh, offload, ctx)
     train_diff = check_trained_like_one_process(model, losses, x, y, args, ctx)
     check_state_on_cpu(model, opt, ctx)
-    print0(f"OK: built sharded from the meta device on {ctx.world_size} ranks, equal to the normal build; "
-           f"trained offloaded like one process ({train_diff:.1e} of the distance trained)")
+    print0(
+        f"OK: built sharded from the meta device on {ctx.world_size} ranks, equal to the normal build; "
+        f"trained offloaded like one process ({train_diff:.1e} of the distance trained)"
+    )
 
 
 @torch.no_grad()
@@ -81,7 +102,9 @@ def compare(sharded, plain, device):
     full_tensor() would all_gather the offloaded CPU shards, which NCCL refuses (and build them in full)."""
     diffs = [torch.zeros(1, device=device)]  # a shard may be empty (more ranks than rows)
     for p, q in zip(sharded.parameters(), plain.parameters()):
-        mine = distribute_tensor(q.detach(), p.device_mesh, p.placements, src_data_rank=None).to_local()
+        mine = distribute_tensor(
+            q.detach(), p.device_mesh, p.placements, src_data_rank=None
+        ).to_local()
         diffs.append((p.to_local().to(device) - mine).abs().flatten())
     diff = torch.cat(diffs)
     worst, square = diff.max(), diff.square().sum()
@@ -112,10 +135,14 @@ def check_init_like_a_normal_build(args, mesh, offload, ctx):
             for linear in (m for m in model.modules() if isinstance(m, nn.Linear)):
                 linear.reset_parameters()
         diffs[how] = compare(model, normal_build(args, ctx), ctx.device)[0]
-    print0(f"init one parameter at a time: max |param - normal build| = {diffs['init_shards_']:.1e}; "
-           f"reset_parameters() on the cpu shards instead: {diffs['reset_parameters']:.1e}")
+    print0(
+        f"init one parameter at a time: max |param - normal build| = {diffs['init_shards_']:.1e}; "
+        f"reset_parameters() on the cpu shards instead: {diffs['reset_parameters']:.1e}"
+    )
     if diffs["init_shards_"] != 0:
-        raise RuntimeError(f"the sharded init differs from the normal build by {diffs['init_shards_']:.1e}")
+        raise RuntimeError(
+            f"the sharded init differs from the normal build by {diffs['init_shards_']:.1e}"
+        )
 
 
 def check_trained_like_one_process(model, losses, x, y, args, ctx):
@@ -130,24 +157,39 @@ def check_trained_like_one_process(model, losses, x, y, args, ctx):
     losses = torch.stack(losses)
     dist.all_reduce(losses, op=dist.ReduceOp.AVG)  # equal shares: the loss of the global batch
     worst, l2 = compare(model, reference, ctx.device)
-    moved = torch.cat([(p.detach() - p0).flatten() for p, p0 in zip(reference.parameters(), start)]).norm().item()
-    print0(f"after {args.steps} Adam steps: max |loss - single process| = {(losses - ref_losses).abs().max():.1e}, "
-           f"max |param - single process| = {worst:.2e}; "
-           f"|param - single process| / |param moved| = {l2 / moved:.1e} (tolerance {args.tol:g})")
+    moved = (
+        torch.cat([(p.detach() - p0).flatten() for p, p0 in zip(reference.parameters(), start)])
+        .norm()
+        .item()
+    )
+    print0(
+        f"after {args.steps} Adam steps: max |loss - single process| = {(losses - ref_losses).abs().max():.1e}, "
+        f"max |param - single process| = {worst:.2e}; "
+        f"|param - single process| / |param moved| = {l2 / moved:.1e} (tolerance {args.tol:g})"
+    )
     if l2 / moved > args.tol:
         raise RuntimeError(f"offloaded training is {l2 / moved:.1e} (relative) off one process")
     return l2 / moved
 
 
 def check_state_on_cpu(model, opt, ctx):
-    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # DTensor: the global shape
+    full_bytes = sum(
+        p.numel() * p.element_size() for p in model.parameters()
+    )  # DTensor: the global shape
     held = sum(p.to_local().untyped_storage().nbytes() for p in model.parameters())
-    devices = {model.blocks[0].fc.weight.device.type, next(iter(opt.state.values()))["exp_avg"].device.type}
-    print_in_order(f"allocated {held:,} B of parameters ({held / full_bytes:.3f} of the full {full_bytes:,} B); "
-                   f"shards and Adam state on {', '.join(sorted(devices))}")
+    devices = {
+        model.blocks[0].fc.weight.device.type,
+        next(iter(opt.state.values()))["exp_avg"].device.type,
+    }
+    print_in_order(
+        f"allocated {held:,} B of parameters ({held / full_bytes:.3f} of the full {full_bytes:,} B); "
+        f"shards and Adam state on {', '.join(sorted(devices))}"
+    )
     if ctx.device.type == "cpu":
-        print0("CPUOffloadPolicy: meaningful on GPU (it keeps shards and the optimizer step off the GPU); "
-               "on CPU it is accepted, with pin_memory=False, and changes nothing")
+        print0(
+            "CPUOffloadPolicy: meaningful on GPU (it keeps shards and the optimizer step off the GPU); "
+            "on CPU it is accepted, with pin_memory=False, and changes nothing"
+        )
     if devices != {"cpu"}:
         raise RuntimeError(f"offloaded shards and Adam state should be on the CPU, found {devices}")
 
@@ -156,9 +198,15 @@ if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=48, help="global batch, divisible by the world size")
+    parser.add_argument(
+        "--batch", type=int, default=48, help="global batch, divisible by the world size"
+    )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--tol", type=float, default=1e-3,
-                        help="largest |param - single process| / |param moved by training| allowed")
+    parser.add_argument(
+        "--tol",
+        type=float,
+        default=1e-3,
+        help="largest |param - single process| / |param moved by training| allowed",
+    )
     run(main, parser.parse_args())

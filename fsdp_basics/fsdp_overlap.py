@@ -19,6 +19,7 @@ At 1 rank FSDP skips the all_gather (unshard in _fsdp_param_group.py: `if world_
 Docs: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
       https://pytorch.org/docs/stable/profiler.html
 """
+
 import contextlib
 import copy
 
@@ -32,26 +33,41 @@ from torch.profiler import ProfilerActivity, profile
 from launch.dist_setup import lesson_parser, print0, print_in_order, run, test_flags
 from toy import BlockMLP, make_data, rank_batch, train_one_process
 
-KINDS = ("FSDP::all_gather", "FSDP::post_backward_reduce", "FSDP::forward_prefetch", "FSDP::backward_prefetch")
+KINDS = (
+    "FSDP::all_gather",
+    "FSDP::post_backward_reduce",
+    "FSDP::forward_prefetch",
+    "FSDP::backward_prefetch",
+)
 
 
 def main(args, ctx):
-    ctx.require(min(args.width, args.depth, args.steps) >= 1 and args.prefetch >= 1,
-                "--width, --depth, --steps and --prefetch must be at least 1")
-    ctx.require(args.batch % ctx.world_size == 0, f"--batch {args.batch} must divide by {ctx.world_size} ranks")
+    ctx.require(
+        min(args.width, args.depth, args.steps) >= 1 and args.prefetch >= 1,
+        "--width, --depth, --steps and --prefetch must be at least 1",
+    )
+    ctx.require(
+        args.batch % ctx.world_size == 0,
+        f"--batch {args.batch} must divide by {ctx.world_size} ranks",
+    )
     x, y = (t.to(ctx.device) for t in make_data(args.batch * args.steps))
     torch.manual_seed(0)
     start = BlockMLP(args.width, args.depth).to(ctx.device)
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    variants = {"reshard_after_forward=True": (True, 0), "reshard_after_forward=False": (False, 0),
-                f"True, explicit prefetch of {args.prefetch}": (True, args.prefetch)}
+    variants = {
+        "reshard_after_forward=True": (True, 0),
+        "reshard_after_forward=False": (False, 0),
+        f"True, explicit prefetch of {args.prefetch}": (True, args.prefetch),
+    }
     results = {name: train(args, ctx, start, mesh, x, y, *v) for name, v in variants.items()}
     print_timelines(results)
     worst = check_same_parameters(results, start, x, y, args, ctx)
     check_counts(results, args, ctx)
-    print0(f"OK: FSDP2 with reshard_after_forward True, False and explicit prefetching on {ctx.world_size} rank(s):"
-           f" all_gathers and reduce_scatters as expected, all train to one process's parameters "
-           f"(max diff {worst:.1e})")
+    print0(
+        f"OK: FSDP2 with reshard_after_forward True, False and explicit prefetching on {ctx.world_size} rank(s):"
+        f" all_gathers and reduce_scatters as expected, all train to one process's parameters "
+        f"(max diff {worst:.1e})"
+    )
 
 
 def train(args, ctx, start, mesh, x, y, reshard, prefetch):
@@ -62,15 +78,23 @@ def train(args, ctx, start, mesh, x, y, reshard, prefetch):
     fully_shard(model, mesh=mesh)  # the root (inp, head): reshard_after_forward None, i.e. False
     if prefetch:
         blocks = list(model.blocks)
-        for i, block in enumerate(blocks):  # forward: the next blocks; backward: the previous ones, nearest first
-            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
-            block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch):i][::-1])
-    if args.no_grad_sync:  # for the tests: no reduce_scatter (FSDP2's no_sync: gradient accumulation)
+        for i, block in enumerate(
+            blocks
+        ):  # forward: the next blocks; backward: the previous ones, nearest first
+            block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + prefetch])
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch) : i][::-1])
+    if (
+        args.no_grad_sync
+    ):  # for the tests: no reduce_scatter (FSDP2's no_sync: gradient accumulation)
         model.set_requires_gradient_sync(False)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     for step in range(args.steps):
         xb, yb = rank_batch(x, y, step, args.batch, ctx)
-        with profile(activities=[ProfilerActivity.CPU]) if step == args.steps - 1 else contextlib.nullcontext() as prof:
+        with (
+            profile(activities=[ProfilerActivity.CPU])
+            if step == args.steps - 1
+            else contextlib.nullcontext() as prof
+        ):
             F.cross_entropy(model(xb), yb).backward()
         opt.step()
         opt.zero_grad()
@@ -81,8 +105,10 @@ def regions(prof):
     """[(name, start ms, end ms)] of FSDP's regions, in ms from the first event of the step, by start."""
     events = [e for e in prof.events() if e.name.startswith(KINDS)]
     t0 = min((e.time_range.start for e in prof.events()), default=0)
-    return sorted(((e.name, (e.time_range.start - t0) / 1e3, (e.time_range.end - t0) / 1e3) for e in events),
-                  key=lambda row: row[1:])
+    return sorted(
+        ((e.name, (e.time_range.start - t0) / 1e3, (e.time_range.end - t0) / 1e3) for e in events),
+        key=lambda row: row[1:],
+    )
 
 
 def collectives(rows):
@@ -90,10 +116,17 @@ def collectives(rows):
     name) as (what, start, end, prefetch), prefetch: the prefetch region that issued it, if any."""
     out = []
     for name, a, b in rows:
-        for label, what in (("FSDP::all_gather", "all_gather"), ("FSDP::post_backward_reduce", "reduce_scatter")):
+        for label, what in (
+            ("FSDP::all_gather", "all_gather"),
+            ("FSDP::post_backward_reduce", "reduce_scatter"),
+        ):
             if name == label or name.startswith(label + " ("):
-                module = name[len(label):].strip(" ()") or "root"
-                by = [n.split(" for ")[0][6:] for n, pa, pb in rows if "prefetch for" in n and pa <= a and b <= pb]
+                module = name[len(label) :].strip(" ()") or "root"
+                by = [
+                    n.split(" for ")[0][6:]
+                    for n, pa, pb in rows
+                    if "prefetch for" in n and pa <= a and b <= pb
+                ]
                 out.append((f"{what} {module}", a, b, by[0] if by else ""))
     return out
 
@@ -101,16 +134,24 @@ def collectives(rows):
 def print_timelines(results, width=40):
     for name, (_, rows) in results.items():
         found = collectives(rows)
-        print0(f"\n{name}: {sum(w.startswith('all_gather') for w, *_ in found)} all_gathers, "
-               f"{sum(w.startswith('reduce') for w, *_ in found)} reduce_scatters; ms from the step's start")
+        print0(
+            f"\n{name}: {sum(w.startswith('all_gather') for w, *_ in found)} all_gathers, "
+            f"{sum(w.startswith('reduce') for w, *_ in found)} reduce_scatters; ms from the step's start"
+        )
         end = max((b for _, _, b, _ in found), default=0) or 1.0
         lines = []
         for what, a, b, by in found:
             lo = round(a / end * width)
-            bar = " " * lo + ("=" if what.startswith("all") else "~") * max(1, round(b / end * width) - lo)
-            lines.append(f"  {what:26s} {a:7.2f} .. {b:7.2f} |{bar:{width}s}| {by and 'issued by ' + by}")
+            bar = " " * lo + ("=" if what.startswith("all") else "~") * max(
+                1, round(b / end * width) - lo
+            )
+            lines.append(
+                f"  {what:26s} {a:7.2f} .. {b:7.2f} |{bar:{width}s}| {by and 'issued by ' + by}"
+            )
         print_in_order("\n".join(lines))
-    print0("(= all_gather, ~ reduce_scatter: when the CPU issues them, inside FSDP's profiler regions)")
+    print0(
+        "(= all_gather, ~ reduce_scatter: when the CPU issues them, inside FSDP's profiler regions)"
+    )
 
 
 def check_counts(results, args, ctx):
@@ -125,10 +166,16 @@ def check_counts(results, args, ctx):
         reduces = sum(w.startswith("reduce") for w, *_ in found)
         ahead = sum(by == "forward_prefetch" for w, _, _, by in found)
         one = ctx.world_size == 1  # nothing to gather: one rank holds every shard
-        want = (0 if one else depth + 1 + depth * reshard, depth + 1, 0 if one else (depth - 1) * ("prefetch" in name))
+        want = (
+            0 if one else depth + 1 + depth * reshard,
+            depth + 1,
+            0 if one else (depth - 1) * ("prefetch" in name),
+        )
         if (gathers, reduces, ahead) != want:
-            failures.append(f"{name}: {gathers} all_gathers, {reduces} reduce_scatters, {ahead} forward-"
-                            f"prefetched; expected {want[0]}, {want[1]}, {want[2]}")
+            failures.append(
+                f"{name}: {gathers} all_gathers, {reduces} reduce_scatters, {ahead} forward-"
+                f"prefetched; expected {want[0]}, {want[1]}, {want[2]}"
+            )
     print_in_order(f"counts as expected: {'no: ' + '; '.join(failures) if failures else 'yes'}")
     dist.barrier()
     if failures:
@@ -142,13 +189,24 @@ def check_same_parameters(results, start, x, y, args, ctx):
     single = copy.deepcopy(start)
     train_one_process(single, x, y, args.batch, args.steps, args.lr)
     # full_tensor() all_gathers a DTensor's shards into the whole tensor: every rank calls it
-    diffs = {name: max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(),
-                                                                                single.parameters()))
-             for name, (model, _) in results.items()}
-    print0("\n".join(f"{name}: max |parameter - one process| {d:.1e} (bound 1e-4)" for name, d in diffs.items()))
+    diffs = {
+        name: max(
+            (p.full_tensor() - q).abs().max().item()
+            for p, q in zip(model.parameters(), single.parameters())
+        )
+        for name, (model, _) in results.items()
+    }
+    print0(
+        "\n".join(
+            f"{name}: max |parameter - one process| {d:.1e} (bound 1e-4)"
+            for name, d in diffs.items()
+        )
+    )
     bad = [name for name, d in diffs.items() if not d <= 1e-4]
     if bad:
-        raise RuntimeError(f"[rank {ctx.rank}] parameters differ from one process's beyond 1e-4: {bad}")
+        raise RuntimeError(
+            f"[rank {ctx.rank}] parameters differ from one process's beyond 1e-4: {bad}"
+        )
     return max(diffs.values())
 
 
@@ -156,13 +214,23 @@ if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--depth", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=48, help="global batch, divisible by the world size")
+    parser.add_argument(
+        "--batch", type=int, default=48, help="global batch, divisible by the world size"
+    )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--prefetch", type=int, default=2, help="blocks each block prefetches (explicit variant)")
+    parser.add_argument(
+        "--prefetch", type=int, default=2, help="blocks each block prefetches (explicit variant)"
+    )
     broken = test_flags(parser)
-    broken.add_argument("--ignore-reshard", action="store_true",
-                        help="reshard_after_forward=False everywhere: the all_gather count check fails")
-    broken.add_argument("--no-grad-sync", action="store_true",
-                        help="set_requires_gradient_sync(False): no reduce_scatter, the parameters differ")
+    broken.add_argument(
+        "--ignore-reshard",
+        action="store_true",
+        help="reshard_after_forward=False everywhere: the all_gather count check fails",
+    )
+    broken.add_argument(
+        "--no-grad-sync",
+        action="store_true",
+        help="set_requires_gradient_sync(False): no reduce_scatter, the parameters differ",
+    )
     run(main, parser.parse_args())

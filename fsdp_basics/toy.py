@@ -7,6 +7,7 @@ and the same loop, so that `diff` between two lessons shows what the second one 
 checks compare with `train_one_process`: the same model and Adam in one process, each step
 on the whole global batch, which is what data parallelism must reproduce.
 """
+
 import math
 
 import torch
@@ -16,7 +17,9 @@ from torch import nn
 
 def make_data(n, seed=0, classes=4, noise=0.15):
     """n points (x: float32 [n, 2], y: int64 [n]) on `classes` interleaved spirals."""
-    g = torch.Generator().manual_seed(seed)  # on the CPU: the same data on every device; callers .to(device)
+    g = torch.Generator().manual_seed(
+        seed
+    )  # on the CPU: the same data on every device; callers .to(device)
     y = torch.randint(0, classes, (n,), generator=g, device="cpu")
     t = torch.rand(n, generator=g, device="cpu") * 2.5 + 0.25  # radius and angle grow together
     angle = t * 2.0 + y.float() * (2 * math.pi / classes)
@@ -56,7 +59,7 @@ def rank_batch(x, y, step, batch, ctx):
     global batch of a step is the same at any world size, so runs at N and M ranks compare."""
     per_rank = batch // ctx.world_size
     lo = step * batch + ctx.rank * per_rank
-    return x[lo:lo + per_rank], y[lo:lo + per_rank]
+    return x[lo : lo + per_rank], y[lo : lo + per_rank]
 
 
 def train_one_process(model, x, y, batch, steps, lr):
@@ -66,7 +69,9 @@ def train_one_process(model, x, y, batch, steps, lr):
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):
-        loss = F.cross_entropy(model(x[step * batch:(step + 1) * batch]), y[step * batch:(step + 1) * batch])
+        loss = F.cross_entropy(
+            model(x[step * batch : (step + 1) * batch]), y[step * batch : (step + 1) * batch]
+        )
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -74,12 +79,13 @@ def train_one_process(model, x, y, batch, steps, lr):
     return torch.stack(losses)
 
 
-
 def storage_bytes(tensors):
     """Bytes of the storages behind `tensors`: a storage several tensors share counts once, a DTensor
     (FSDP's sharded parameter) counts its local shard. Read from the tensors: works on any device."""
     tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    return sum(
+        {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values()
+    )
 
 
 def step_bytes(model, opt, x, y):
@@ -88,7 +94,10 @@ def step_bytes(model, opt, x, y):
     F.cross_entropy(model(x).float(), y).backward()
     opt.step()
     params = list(model.parameters())
-    held = [storage_bytes(params), storage_bytes(p.grad for p in params),
-            storage_bytes(t for s in opt.state.values() for t in s.values())]
+    held = [
+        storage_bytes(params),
+        storage_bytes(p.grad for p in params),
+        storage_bytes(t for s in opt.state.values() for t in s.values()),
+    ]
     opt.zero_grad()
     return held

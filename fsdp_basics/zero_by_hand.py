@@ -13,6 +13,7 @@ all_gather per layer in forward and in backward: 1.5x the bytes DDP sends.)
 Docs: https://arxiv.org/abs/1910.02054 (ZeRO)
       https://pytorch.org/docs/stable/distributed.html (all_gather_single, reduce_scatter_single)
 """
+
 import copy
 
 import torch
@@ -28,7 +29,9 @@ class GatheredLinear(torch.autograd.Function):
     """y = x W^T + b, where W and b exist in full only while this layer computes."""
 
     @staticmethod
-    def forward(saved, x, shard, layer):  # saved: autograd's context object, not the distributed ctx
+    def forward(
+        saved, x, shard, layer
+    ):  # saved: autograd's context object, not the distributed ctx
         saved.save_for_backward(x, shard)  # the input and my shard: never the gathered weight
         saved.layer = layer
         weight, bias, full = layer.gather(shard)
@@ -42,12 +45,16 @@ class GatheredLinear(torch.autograd.Function):
         layer = saved.layer
         weight, _, full = layer.gather(shard)  # all_gather again: the forward's copy is gone
         grad_x = grad_out @ weight
-        full_grad = torch.cat([(grad_out.T @ x).flatten(), grad_out.sum(0), grad_out.new_zeros(layer.pad)])
+        full_grad = torch.cat(
+            [(grad_out.T @ x).flatten(), grad_out.sum(0), grad_out.new_zeros(layer.pad)]
+        )
         full.untyped_storage().resize_(0)
         grad_shard = torch.empty_like(shard)
         # torch 2.13 names; before it reduce_scatter_tensor / all_gather_into_tensor (same arguments)
         reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        reduce_scatter(grad_shard, full_grad, op=dist.ReduceOp.AVG)  # my slice of the ranks' average
+        reduce_scatter(
+            grad_shard, full_grad, op=dist.ReduceOp.AVG
+        )  # my slice of the ranks' average
         return grad_x, grad_shard, None
 
 
@@ -60,25 +67,32 @@ class ShardedLinear(nn.Module):
         flat = torch.cat([linear.weight.detach().flatten(), linear.bias.detach()])
         self.pad = -len(flat) % ctx.world_size  # zeros so that N divides the length
         flat = torch.cat([flat, flat.new_zeros(self.pad)])
-        self.shard = nn.Parameter(flat.chunk(ctx.world_size)[ctx.rank].clone())  # clone: keep 1/N, not a view
+        self.shard = nn.Parameter(
+            flat.chunk(ctx.world_size)[ctx.rank].clone()
+        )  # clone: keep 1/N, not a view
         self.world_size, self.memo = ctx.world_size, memo
 
     def gather(self, shard):
         full = shard.new_empty(shard.numel() * self.world_size)
         all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         all_gather(full, shard.detach())  # every rank's shard, in rank order
-        self.memo["gathered"].append(full)  # for check_memory: the full layers alive now (freed: 0 B)
+        self.memo["gathered"].append(
+            full
+        )  # for check_memory: the full layers alive now (freed: 0 B)
         self.memo["peak"] = max(self.memo["peak"], storage_bytes(self.memo["gathered"]))
         n_weight = self.out_features * self.in_features
         weight = full[:n_weight].view(self.out_features, self.in_features)
-        return weight, full[n_weight:n_weight + self.out_features], full
+        return weight, full[n_weight : n_weight + self.out_features], full
 
     def forward(self, x):
         return GatheredLinear.apply(x, self.shard, self)
 
 
 def main(args, ctx):
-    ctx.require(args.batch % ctx.world_size == 0, f"--batch {args.batch} must divide by {ctx.world_size} ranks")
+    ctx.require(
+        args.batch % ctx.world_size == 0,
+        f"--batch {args.batch} must divide by {ctx.world_size} ranks",
+    )
     x, y = (t.to(ctx.device) for t in make_data(args.batch * args.steps))
     torch.manual_seed(0)  # the same initial model on every rank (drawn on the CPU, then moved)
     model = BlockMLP(args.width, args.depth).to(ctx.device)
@@ -88,8 +102,12 @@ def main(args, ctx):
     for parent in list(model.modules()):  # every Linear keeps 1/N of itself
         for name, child in parent.named_children():
             if isinstance(child, nn.Linear):
-                setattr(parent, name, ShardedLinear(child, ctx, memo))  # device: cut from child, on ctx.device
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)  # sees the shards only: its state is 1/N too
+                setattr(
+                    parent, name, ShardedLinear(child, ctx, memo)
+                )  # device: cut from child, on ctx.device
+    opt = torch.optim.Adam(
+        model.parameters(), lr=args.lr
+    )  # sees the shards only: its state is 1/N too
     losses = []
     for step in range(args.steps):
         xb, yb = rank_batch(x, y, step, args.batch, ctx)
@@ -101,8 +119,10 @@ def main(args, ctx):
 
     worst = check_matches_one_process(model, losses, reference, x, y, args)
     share = check_memory(model, opt, reference, memo, x, y, args, ctx)
-    print0(f"OK: ZeRO-3 by hand on {ctx.world_size} ranks (each holding {share:.3f} of the state) "
-           f"matches single-process Adam after {args.steps} steps (max diff {worst:.1e})")
+    print0(
+        f"OK: ZeRO-3 by hand on {ctx.world_size} ranks (each holding {share:.3f} of the state) "
+        f"matches single-process Adam after {args.steps} steps (max diff {worst:.1e})"
+    )
 
 
 def check_matches_one_process(model, losses, reference, x, y, args):
@@ -113,15 +133,21 @@ def check_matches_one_process(model, losses, reference, x, y, args):
     plain = [m for m in reference.modules() if isinstance(m, nn.Linear)]
     for mine, ref in zip([m for m in model.modules() if isinstance(m, ShardedLinear)], plain):
         weight, bias, _ = mine.gather(mine.shard.detach())
-        worst = max(worst, (weight - ref.weight).abs().max().item(), (bias - ref.bias).abs().max().item())
-    print0(f"max |loss - single-process loss| over {args.steps} steps: {worst_loss:.2e}; "
-           f"max |param - single-process param|: {worst:.2e} (tolerance {args.tol:g})")
+        worst = max(
+            worst, (weight - ref.weight).abs().max().item(), (bias - ref.bias).abs().max().item()
+        )
+    print0(
+        f"max |loss - single-process loss| over {args.steps} steps: {worst_loss:.2e}; "
+        f"max |param - single-process param|: {worst:.2e} (tolerance {args.tol:g})"
+    )
     # Same device, same kernels: only the order of float32 sums differs (my share's gradient, then the
     # average over ranks, against one full batch), ~1e-7 relative, which training amplifies (measured on
     # CPU at 4 ranks: ~1e-7 at the defaults, 1.1e-5 at --width 256 --depth 4). Hence --tol 1e-4. TF32 is
     # off by default on GPUs (docs notes/cuda.html, "TensorFloat-32 (TF32) on Ampere (and later) devices").
     if worst > args.tol or worst_loss > args.tol:
-        raise RuntimeError(f"ZeRO-3 by hand differs from single-process training by {max(worst, worst_loss):.2e}")
+        raise RuntimeError(
+            f"ZeRO-3 by hand differs from single-process training by {max(worst, worst_loss):.2e}"
+        )
     return max(worst, worst_loss)
 
 
@@ -129,25 +155,45 @@ def check_memory(model, opt, reference, memo, x, y, args, ctx):
     """About 1/N of the unsharded state per rank, and one gathered layer at a time, freed after use."""
     memo.update(gathered=[], peak=0)
     held = step_bytes(model, opt, *rank_batch(x, y, 0, args.batch, ctx))
-    ref = step_bytes(reference, torch.optim.Adam(reference.parameters()), x[:args.batch], y[:args.batch])
-    largest = max(storage_bytes(m.parameters()) for m in reference.modules() if isinstance(m, nn.Linear))
+    ref = step_bytes(
+        reference, torch.optim.Adam(reference.parameters()), x[: args.batch], y[: args.batch]
+    )
+    largest = max(
+        storage_bytes(m.parameters()) for m in reference.modules() if isinstance(m, nn.Linear)
+    )
     share = sum(held) / sum(ref)
-    print_in_order(f"params {held[0]} B, grads {held[1]} B, Adam state {held[2]} B = {sum(held)} B "
-                   f"({share:.3f} of unsharded); peak gathered at once {memo['peak']} B")
-    print0(f"unsharded (one process): params {ref[0]} B, grads {ref[1]} B, Adam state {ref[2]} B = {sum(ref)} B; "
-           f"1/N = {1 / ctx.world_size:.3f}; the largest layer is {largest} B")
+    print_in_order(
+        f"params {held[0]} B, grads {held[1]} B, Adam state {held[2]} B = {sum(held)} B "
+        f"({share:.3f} of unsharded); peak gathered at once {memo['peak']} B"
+    )
+    print0(
+        f"unsharded (one process): params {ref[0]} B, grads {ref[1]} B, Adam state {ref[2]} B = {sum(ref)} B; "
+        f"1/N = {1 / ctx.world_size:.3f}; the largest layer is {largest} B"
+    )
     one_layer = largest + 4 * ctx.world_size  # plus its padding: under N floats
-    if storage_bytes(memo["gathered"]) or memo["peak"] > one_layer or abs(share * ctx.world_size - 1) > 0.1:
-        raise RuntimeError("a gathered layer outlived its use, or a rank holds more than 1/N of the state")
+    if (
+        storage_bytes(memo["gathered"])
+        or memo["peak"] > one_layer
+        or abs(share * ctx.world_size - 1) > 0.1
+    ):
+        raise RuntimeError(
+            "a gathered layer outlived its use, or a rank holds more than 1/N of the state"
+        )
     return share
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--width", type=int, default=30, help="hidden width (30: layers that N=4 does not divide)")
+    parser.add_argument(
+        "--width", type=int, default=30, help="hidden width (30: layers that N=4 does not divide)"
+    )
     parser.add_argument("--depth", type=int, default=2, help="residual blocks")
-    parser.add_argument("--batch", type=int, default=48, help="global batch, divisible by the world size")
+    parser.add_argument(
+        "--batch", type=int, default=48, help="global batch, divisible by the world size"
+    )
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--tol", type=float, default=1e-4, help="largest |ZeRO-3 - one process| (loss, params)")
+    parser.add_argument(
+        "--tol", type=float, default=1e-4, help="largest |ZeRO-3 - one process| (loss, params)"
+    )
     run(main, parser.parse_args())

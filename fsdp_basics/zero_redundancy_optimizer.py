@@ -14,6 +14,7 @@ each rank keeps the part it owns now.
 Docs: https://pytorch.org/docs/stable/distributed.optim.html (ZeroRedundancyOptimizer; experimental)
       https://pytorch.org/tutorials/recipes/zero_redundancy_optimizer.html
 """
+
 import os
 import warnings
 
@@ -22,7 +23,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-with warnings.catch_warnings():  # torch.distributed.optim's import compiles its functional optimizers with
+with (
+    warnings.catch_warnings()
+):  # torch.distributed.optim's import compiles its functional optimizers with
     # @torch.jit.script (torch/distributed/optim/functional_*.py), deprecated in 2.13 (torch/jit/_script.py):
     # torch's DeprecationWarning, not this lesson's call; Python hides it unless asked (-W default; see
     # https://docs.python.org/3/library/warnings.html#default-warning-filter)
@@ -34,8 +37,13 @@ from toy import BlockMLP, make_data, rank_batch, storage_bytes
 
 
 def main(args, ctx):
-    ctx.require(args.batch % ctx.world_size == 0, f"--batch {args.batch} must divide by {ctx.world_size} ranks")
-    ctx.require(0 <= args.stop_at <= args.steps, f"--stop-at must be between 0 and --steps ({args.steps})")
+    ctx.require(
+        args.batch % ctx.world_size == 0,
+        f"--batch {args.batch} must divide by {ctx.world_size} ranks",
+    )
+    ctx.require(
+        0 <= args.stop_at <= args.steps, f"--stop-at must be between 0 and --steps ({args.steps})"
+    )
     end = args.stop_at or args.steps
     ctx.require_writable_dir(os.path.dirname(args.checkpoint) or ".")
     x, y = (t.to(ctx.device) for t in make_data(args.batch * args.steps))
@@ -52,17 +60,28 @@ def main(args, ctx):
         loss.backward()  # DDP: every rank gets the whole averaged gradient
         opt.step()  # Adam on the parameters this rank owns, then each owner broadcasts its parameters
         opt.zero_grad()
-    opt.consolidate_state_dict(to=0)  # a collective: every rank sends its shard of the state to rank 0
+    opt.consolidate_state_dict(
+        to=0
+    )  # a collective: every rank sends its shard of the state to rank 0
     if ctx.rank == 0:
-        save(args.checkpoint, {"model": model.state_dict(), "optim": opt.state_dict(), "step": end,
-                               "world_size": ctx.world_size})
+        save(
+            args.checkpoint,
+            {
+                "model": model.state_dict(),
+                "optim": opt.state_dict(),
+                "step": end,
+                "world_size": ctx.world_size,
+            },
+        )
     dist.barrier()  # nobody reads the file (or exits) before it is complete
     print0(f"saved {args.checkpoint} at step {end} on {ctx.world_size} ranks")
 
     check_sharded_state(opt, model, ctx)
     worst = check_matches_one_process(model, opt, x, y, end, args, ctx)
-    print0(f"OK: ZeroRedundancyOptimizer on {ctx.world_size} ranks (steps {start}..{end - 1}"
-           f"{f', resumed from {start}' if start else ''}) matches plain Adam in one process (max diff {worst:.1e})")
+    print0(
+        f"OK: ZeroRedundancyOptimizer on {ctx.world_size} ranks (steps {start}..{end - 1}"
+        f"{f', resumed from {start}' if start else ''}) matches plain Adam in one process (max diff {worst:.1e})"
+    )
 
 
 def save(path, checkpoint):
@@ -72,30 +91,47 @@ def save(path, checkpoint):
 
 
 def load(path, model, opt, args, ctx):
-    ctx.require(os.path.exists(path), f"no checkpoint at {path}: run with --stop-at first, or drop --resume")
-    ckpt = torch.load(path, map_location=ctx.device, weights_only=True)  # tensors and plain data, no code
+    ctx.require(
+        os.path.exists(path), f"no checkpoint at {path}: run with --stop-at first, or drop --resume"
+    )
+    ckpt = torch.load(
+        path, map_location=ctx.device, weights_only=True
+    )  # tensors and plain data, no code
     model.load_state_dict(ckpt["model"])  # the same weights on every rank
     if not args.skip_optimizer_load:
-        opt.load_state_dict(ckpt["optim"])  # each rank keeps the state of the parameters it owns at this N
-    print0(f"resumed from {path} (step {ckpt['step']}, written by {ckpt['world_size']} ranks) on "
-           f"{ctx.world_size} ranks")
+        opt.load_state_dict(
+            ckpt["optim"]
+        )  # each rank keeps the state of the parameters it owns at this N
+    print0(
+        f"resumed from {path} (step {ckpt['step']}, written by {ckpt['world_size']} ranks) on "
+        f"{ctx.world_size} ranks"
+    )
     return ckpt["step"]
 
 
 def check_sharded_state(opt, model, ctx):
     """Each parameter's Adam state lives on exactly one rank; together they are one Adam's state."""
     names = {p: n for n, p in model.named_parameters()}
-    local = opt.optim.state  # `optim`: the wrapped local Adam (an attribute, not in the documented API)
+    local = (
+        opt.optim.state
+    )  # `optim`: the wrapped local Adam (an attribute, not in the documented API)
     mine = [names[p] for p in local]
-    numel, held = sum(p.numel() for p in local), storage_bytes(t for s in local.values() for t in s.values())
-    print_in_order(f"owns {len(mine)} of {len(names)} tensors ({numel:,} parameters): {', '.join(mine)}; "
-                   f"Adam state {held:,} B")
+    numel, held = (
+        sum(p.numel() for p in local),
+        storage_bytes(t for s in local.values() for t in s.values()),
+    )
+    print_in_order(
+        f"owns {len(mine)} of {len(names)} tensors ({numel:,} parameters): {', '.join(mine)}; "
+        f"Adam state {held:,} B"
+    )
     counts = torch.tensor([len(mine), numel], device=ctx.device)
     dist.all_reduce(counts)
     total = sum(p.numel() for p in model.parameters())
     if counts.tolist() != [len(names), total]:
-        raise RuntimeError(f"the ranks' optimizer shards hold {counts.tolist()} tensors/elements, "
-                           f"not {[len(names), total]}")
+        raise RuntimeError(
+            f"the ranks' optimizer shards hold {counts.tolist()} tensors/elements, "
+            f"not {[len(names), total]}"
+        )
 
 
 def check_matches_one_process(model, opt, x, y, end, args, ctx):
@@ -104,18 +140,30 @@ def check_matches_one_process(model, opt, x, y, end, args, ctx):
     reference = BlockMLP(args.width, args.depth).to(ctx.device)
     plain = torch.optim.Adam(reference.parameters(), lr=args.lr)
     for step in range(end):
-        F.cross_entropy(reference(x[step * args.batch:(step + 1) * args.batch]),
-                        y[step * args.batch:(step + 1) * args.batch]).backward()
+        F.cross_entropy(
+            reference(x[step * args.batch : (step + 1) * args.batch]),
+            y[step * args.batch : (step + 1) * args.batch],
+        ).backward()
         plain.step()
         plain.zero_grad()
-    diff = torch.stack([(p - r).abs().max() for p, r in zip(model.parameters(), reference.parameters())]).max()
-    if ctx.rank == 0:  # only rank 0 has the consolidated state: a plain Adam state dict, same indices
+    diff = torch.stack(
+        [(p - r).abs().max() for p, r in zip(model.parameters(), reference.parameters())]
+    ).max()
+    if (
+        ctx.rank == 0
+    ):  # only rank 0 has the consolidated state: a plain Adam state dict, same indices
         ours, ref = opt.state_dict()["state"], plain.state_dict()["state"]
-        diffs = [(ours[i][k].to(ctx.device) - ref[i][k].to(ctx.device)).abs().max() for i in ref for k in ref[i]]
+        diffs = [
+            (ours[i][k].to(ctx.device) - ref[i][k].to(ctx.device)).abs().max()
+            for i in ref
+            for k in ref[i]
+        ]
         diff = torch.stack([diff, *diffs]).max()
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)  # every rank's model copy, and rank 0's state
-    print0(f"max |param or Adam state - uninterrupted plain Adam, one process| after {end} steps: "
-           f"{diff.item():.2e} (tolerance {args.tol:g})")
+    print0(
+        f"max |param or Adam state - uninterrupted plain Adam, one process| after {end} steps: "
+        f"{diff.item():.2e} (tolerance {args.tol:g})"
+    )
     # Only the order of float32 sums differs (each rank's share, then the average), ~1e-7, amplified by
     # training (see zero_by_hand.py); TF32 is off by default on GPUs (docs notes/cuda.html). A resume
     # without the optimizer state restarts Adam's moments, and its `step` counters lag by the steps before.
@@ -126,18 +174,37 @@ def check_matches_one_process(model, opt, x, y, end, args, ctx):
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--checkpoint", default="runs/zero_redundancy_optimizer.pt", help="file to save / resume")
-    parser.add_argument("--resume", action="store_true", help="go on from --checkpoint (any world size)")
+    parser.add_argument(
+        "--checkpoint", default="runs/zero_redundancy_optimizer.pt", help="file to save / resume"
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="go on from --checkpoint (any world size)"
+    )
     parser.add_argument("--steps", type=int, default=10, help="steps of the whole training")
-    parser.add_argument("--stop-at", type=int, default=0, help="stop after this step, as if interrupted (0: --steps)")
+    parser.add_argument(
+        "--stop-at",
+        type=int,
+        default=0,
+        help="stop after this step, as if interrupted (0: --steps)",
+    )
     parser.add_argument("--width", type=int, default=30)
     parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=48, help="global batch, divisible by the world size")
+    parser.add_argument(
+        "--batch", type=int, default=48, help="global batch, divisible by the world size"
+    )
     parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--tol", type=float, default=1e-4, help="largest |ZeRO - one process| (params, state)")
+    parser.add_argument(
+        "--tol", type=float, default=1e-4, help="largest |ZeRO - one process| (params, state)"
+    )
     broken = test_flags(parser)
-    broken.add_argument("--skip-optimizer-load", action="store_true",
-                        help="--resume loads the model but not the optimizer state")
-    broken.add_argument("--leave-out-last", action="store_true",
-                        help="give the optimizer every parameter but the last: no rank's shard holds it")
+    broken.add_argument(
+        "--skip-optimizer-load",
+        action="store_true",
+        help="--resume loads the model but not the optimizer state",
+    )
+    broken.add_argument(
+        "--leave-out-last",
+        action="store_true",
+        help="give the optimizer every parameter but the last: no rank's shard holds it",
+    )
     run(main, parser.parse_args())

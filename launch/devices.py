@@ -1,5 +1,6 @@
 """Which device and backend each rank uses, and how many ranks `python lesson.py` starts (launch/dist_setup.py
 calls these; tests/test_foundation.py tests them with mocked GPU counts)."""
+
 import os
 
 import torch
@@ -25,16 +26,22 @@ def choose_device(local_rank, local_world_size, backend=None, device=None):
     except RuntimeError:
         raise UsageError(f"unknown device {device!r}: use cpu or cuda") from None
     if device_type != "cpu" and (accel is None or accel.type != device_type or n_accel == 0):
-        raise UsageError(f"{asked} needs a {device_type} device and this machine has none: "
-                         "use --backend gloo (CPU)")
+        raise UsageError(
+            f"{asked} needs a {device_type} device and this machine has none: "
+            "use --backend gloo (CPU)"
+        )
     backend = backend or dist.get_default_backend_for_device(device_type)
     if not dist.is_backend_available(backend):
-        raise UsageError(f"backend {backend!r} is not available in this build of torch: use --backend gloo")
+        raise UsageError(
+            f"backend {backend!r} is not available in this build of torch: use --backend gloo"
+        )
     if device_type == "cpu":
         return torch.device("cpu"), backend
     if backend != "gloo" and n_accel < local_world_size:
-        raise UsageError(f"{local_world_size} ranks on this node but only {n_accel} {device_type} device(s): "
-                         f"{backend} needs one per rank; start at most {n_accel} per node or use --backend gloo")
+        raise UsageError(
+            f"{local_world_size} ranks on this node but only {n_accel} {device_type} device(s): "
+            f"{backend} needs one per rank; start at most {n_accel} per node or use --backend gloo"
+        )
     return torch.device(device_type, local_rank % n_accel), backend
 
 

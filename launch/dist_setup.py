@@ -17,6 +17,7 @@ or DIST_BACKEND/DIST_DEVICE override), initialises the process group with a boun
 timeout, runs main(args, ctx) and destroys the group on every path. The device choice lives in
 launch/devices.py and the print helpers in launch/printing.py; lessons import both from here.
 """
+
 import argparse
 import datetime
 import gc
@@ -57,39 +58,60 @@ class Context:
             open(probe, "w").close()
             os.remove(probe)
         except OSError as error:
-            raise UsageError(f"cannot write to {path} ({error.strerror}): pass a writable directory") from None
+            raise UsageError(
+                f"cannot write to {path} ({error.strerror}): pass a writable directory"
+            ) from None
 
     def require_point_to_point(self):
         """send/recv/isend/irecv: NCCL takes CUDA tensors, Gloo CPU tensors only (the backend table of
         https://pytorch.org/docs/stable/distributed.html#backends), so Gloo with CUDA tensors cannot run them."""
-        self.require(not (self.backend == "gloo" and self.device.type != "cpu"),
-                     f"point-to-point on gloo needs CPU tensors, not {self.device.type}: "
-                     "use --backend nccl (one GPU per rank) or --device cpu")
+        self.require(
+            not (self.backend == "gloo" and self.device.type != "cpu"),
+            f"point-to-point on gloo needs CPU tensors, not {self.device.type}: "
+            "use --backend nccl (one GPU per rank) or --device cpu",
+        )
 
 
 def lesson_parser(doc, default_nproc=None, min_ranks=1):
     """min_ranks: `python lesson.py` with no --nproc starts at least this many ranks (one per GPU, else 2)."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.set_defaults(min_ranks=min_ranks)
     env = os.environ.get
     group = parser.add_argument_group("distributed set-up (launch/dist_setup.py)")
-    group.add_argument("--nproc", type=int, default=default_nproc,
-                       help=f"ranks to spawn when started with plain python (default: one per GPU, else 2; "
-                            f"at least {max(min_ranks, 1)})")
-    group.add_argument("--backend", default=env("DIST_BACKEND"),
-                       help="gloo or nccl (env DIST_BACKEND; default: nccl if every local rank has a GPU, else gloo)")
-    group.add_argument("--device", default=env("DIST_DEVICE"),
-                       help="cpu or cuda (env DIST_DEVICE; default follows the backend)")
-    group.add_argument("--timeout", type=float, default=float(env("DIST_TIMEOUT", "60")),
-                       help="seconds a collective may wait before it fails (env DIST_TIMEOUT; default 60)")
+    group.add_argument(
+        "--nproc",
+        type=int,
+        default=default_nproc,
+        help=f"ranks to spawn when started with plain python (default: one per GPU, else 2; "
+        f"at least {max(min_ranks, 1)})",
+    )
+    group.add_argument(
+        "--backend",
+        default=env("DIST_BACKEND"),
+        help="gloo or nccl (env DIST_BACKEND; default: nccl if every local rank has a GPU, else gloo)",
+    )
+    group.add_argument(
+        "--device",
+        default=env("DIST_DEVICE"),
+        help="cpu or cuda (env DIST_DEVICE; default follows the backend)",
+    )
+    group.add_argument(
+        "--timeout",
+        type=float,
+        default=float(env("DIST_TIMEOUT", "60")),
+        help="seconds a collective may wait before it fails (env DIST_TIMEOUT; default 60)",
+    )
     return parser
 
 
 def test_flags(parser):
     """The argument group for flags that exist so the tests can make one of the lesson's checks fail
     (e.g. --no-average): apart from the lesson's own options, and marked as such in --help."""
-    return parser.add_argument_group("for the tests only (each flag breaks one step on purpose, "
-                                     "to show that a check fails)")
+    return parser.add_argument_group(
+        "for the tests only (each flag breaks one step on purpose, to show that a check fails)"
+    )
 
 
 def _run_rank(main, args, init=True):
@@ -104,20 +126,27 @@ def _run_rank(main, args, init=True):
         else:
             torch.accelerator.set_device_index(device.index)
         if init:
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout),
-                                    device_id=None if device.type == "cpu" else device)
+            dist.init_process_group(
+                backend,
+                timeout=datetime.timedelta(seconds=args.timeout),
+                device_id=None if device.type == "cpu" else device,
+            )
         if rank == 0:
             gpus = torch.accelerator.device_count()
             auto_cpu = device.type == "cpu" and gpus and not (args.backend or args.device)
             why = f" ({local_world_size} ranks/node > {gpus} GPUs)" if auto_cpu else ""
-            _write(f"[setup] {world_size} rank(s), backend {backend}, device {device.type}{why}, "
-                   f"timeout {args.timeout:g}s, torch {torch.__version__}")  # one write: see _write
+            _write(
+                f"[setup] {world_size} rank(s), backend {backend}, device {device.type}{why}, "
+                f"timeout {args.timeout:g}s, torch {torch.__version__}"
+            )  # one write: see _write
         main(args, Context(rank, world_size, local_rank, local_world_size, device, backend))
         return 0
     except UsageError as error:
         sys.stderr.write(f"[rank {rank}] error: {error}\n")  # one write: ranks' lines never mix
         sys.stderr.flush()
-        if world_size > 1:  # torchrun and mp.spawn stop every rank when one exits: let the others print first
+        if (
+            world_size > 1
+        ):  # torchrun and mp.spawn stop every rank when one exits: let the others print first
             time.sleep(1)
         return 2
     finally:
@@ -127,8 +156,14 @@ def _run_rank(main, args, init=True):
 
 
 def _spawned(local_rank, main, args, nproc, port, init):
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
-                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     code = _run_rank(main, args, init)
     if code:
         sys.exit(code)
@@ -150,10 +185,14 @@ def run(main, args, init_process_group=True):
 
     init_process_group=False leaves the init to main (primitives/init_methods.py).
     """
-    if os.environ.get("DIST_PARSE_ONLY") == "1":  # tests/: a README's command line parses, nothing runs
+    if (
+        os.environ.get("DIST_PARSE_ONLY") == "1"
+    ):  # tests/: a README's command line parses, nothing runs
         print(f"parsed: {vars(args)}")
         sys.exit(0)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun, Slurm + torchrun, a platform
+    if (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    ):  # torchrun, Slurm + torchrun, a platform
         sys.exit(_run_rank(main, args, init_process_group))
     nproc = args.nproc if args.nproc is not None else default_nproc(args)
     if nproc < 1:
@@ -162,13 +201,19 @@ def run(main, args, init_process_group=True):
     port = int(os.environ["MASTER_PORT"]) if held is None else held.getsockname()[1]
     with socket.socket() as s:  # a named port that is taken fails here, not in a rank
         if held is None and s.connect_ex(("127.0.0.1", port)) == 0:
-            sys.exit(f"error: port {port} on 127.0.0.1 is in use: unset MASTER_PORT or pick a free one")
+            sys.exit(
+                f"error: port {port} on 127.0.0.1 is in use: unset MASTER_PORT or pick a free one"
+            )
     try:
         # forkserver, not spawn: one server process imports the lesson (and torch) once, and each rank
         # is forked from it, torch already imported (~2.5 s of CPU saved per rank). Safe with CUDA: the
         # server never touches the GPU. https://docs.python.org/3/library/multiprocessing.html#contexts-and-start-methods
-        mp.start_processes(_spawned, args=(main, args, nproc, port, init_process_group), nprocs=nproc,
-                           start_method="forkserver")
+        mp.start_processes(
+            _spawned,
+            args=(main, args, nproc, port, init_process_group),
+            nprocs=nproc,
+            start_method="forkserver",
+        )
     except mp.ProcessExitedException as error:  # the rank printed its own error; pass its code on
         sys.exit(error.exit_code if error.exit_code and error.exit_code > 0 else 1)
     except mp.ProcessRaisedException as error:  # a bug: show the rank's traceback once
@@ -176,5 +221,3 @@ def run(main, args, init_process_group=True):
     finally:
         if held is not None:
             held.close()
-
-

@@ -11,6 +11,7 @@ falls back to the LOCAL_RANK variable, which is all torchrun sets:
 
 Docs: https://pytorch.org/docs/stable/distributed.html#launch-utility
 """
+
 import os
 
 import torch
@@ -25,16 +26,21 @@ def main(args, ctx):
     dist.all_reduce(total)
     if total.item() != ctx.world_size * (ctx.world_size - 1) // 2:
         raise RuntimeError(f"all_reduce gave {total.item()}")
-    print0(f"OK: {ctx.world_size} rank(s) found their local rank from the {source}; migrate with: "
-           f"torchrun --nproc_per_node=N {os.path.relpath(__file__)} (and read LOCAL_RANK from the environment)")
+    print0(
+        f"OK: {ctx.world_size} rank(s) found their local rank from the {source}; migrate with: "
+        f"torchrun --nproc_per_node=N {os.path.relpath(__file__)} (and read LOCAL_RANK from the environment)"
+    )
 
 
 def local_rank_of(args, ctx):
     """The --local-rank argument if the launcher passed one, else the LOCAL_RANK variable."""
     from_env = os.environ.get("LOCAL_RANK")
     if args.local_rank is None:
-        ctx.require(from_env is not None, "no --local-rank argument and no LOCAL_RANK variable: "
-                                          "start with torchrun or python -m torch.distributed.launch")
+        ctx.require(
+            from_env is not None,
+            "no --local-rank argument and no LOCAL_RANK variable: "
+            "start with torchrun or python -m torch.distributed.launch",
+        )
         return int(from_env), "environment LOCAL_RANK"
     if from_env is not None and int(from_env) != args.local_rank:
         raise RuntimeError(f"--local-rank {args.local_rank} disagrees with LOCAL_RANK={from_env}")
@@ -47,5 +53,7 @@ if __name__ == "__main__":
     parser.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None)
     args = parser.parse_args()
     if args.local_rank is not None and "RANK" in os.environ:
-        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))  # dist_setup picks the device from it
+        os.environ.setdefault(
+            "LOCAL_RANK", str(args.local_rank)
+        )  # dist_setup picks the device from it
     run(main, args)

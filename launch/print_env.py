@@ -12,6 +12,7 @@ rank agrees on WORLD_SIZE, MASTER_ADDR:MASTER_PORT and the run id.
 
 Docs: https://pytorch.org/docs/stable/elastic/run.html#environment-variables
 """
+
 import os
 import socket
 
@@ -19,12 +20,34 @@ import torch.distributed as dist
 from launch.dist_setup import lesson_parser, print0, print_in_order, run
 
 # What differs from rank to rank, and what every rank of the job must share.
-PER_RANK = ["RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "LOCAL_WORLD_SIZE",
-            "SLURM_NODEID", "SLURM_PROCID", "SLURM_LOCALID"]
-SHARED = ["WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
-          "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
-          "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS",
-          "SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES", "SLURM_NTASKS"]
+PER_RANK = [
+    "RANK",
+    "LOCAL_RANK",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "LOCAL_WORLD_SIZE",
+    "SLURM_NODEID",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+]
+SHARED = [
+    "WORLD_SIZE",
+    "GROUP_WORLD_SIZE",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "OMP_NUM_THREADS",
+    "SLURM_JOB_ID",
+    "SLURM_JOB_NODELIST",
+    "SLURM_JOB_NUM_NODES",
+    "SLURM_NTASKS",
+]
 
 
 def check(views, n):
@@ -37,7 +60,9 @@ def check(views, n):
         if not 0 <= lr < lws:
             problems.append(f"rank {i}: LOCAL_RANK {lr} not below LOCAL_WORLD_SIZE {lws}")
         if "GROUP_RANK" in v and i != int(v["GROUP_RANK"]) * lws + lr:
-            problems.append(f"rank {i}: RANK != GROUP_RANK {v['GROUP_RANK']} x {lws} + LOCAL_RANK {lr}")
+            problems.append(
+                f"rank {i}: RANK != GROUP_RANK {v['GROUP_RANK']} x {lws} + LOCAL_RANK {lr}"
+            )
         if "ROLE_RANK" in v and int(v["ROLE_RANK"]) != i:  # one role: role ranks are the ranks
             problems.append(f"rank {i}: ROLE_RANK {v['ROLE_RANK']} differs")
     for key in SHARED:
@@ -55,23 +80,31 @@ def check(views, n):
 
 def main(args, ctx):
     env = {k: os.environ[k] for k in PER_RANK + SHARED if k in os.environ}
-    env["host"] = socket.gethostname()  # not a variable: shows which machine ("node") the rank is on
+    env["host"] = (
+        socket.gethostname()
+    )  # not a variable: shows which machine ("node") the rank is on
     print_in_order(" ".join(f"{k}={env[k]}" for k in PER_RANK + ["host"] if k in env))
     print0("shared by all ranks: " + " ".join(f"{k}={env[k]}" for k in SHARED if k in env))
 
-    views = [None] * ctx.world_size  # everyone's environment, on every rank (pickled: fine between our own ranks)
+    views = (
+        [None] * ctx.world_size
+    )  # everyone's environment, on every rank (pickled: fine between our own ranks)
     dist.all_gather_object(views, env)
     problems = check(views, ctx.world_size)
     if problems:
         raise RuntimeError("inconsistent launcher environment: " + "; ".join(problems))
     if "TORCHELASTIC_RUN_ID" in env:
         nodes = int(env["GROUP_WORLD_SIZE"])
-        print0(f"OK: {ctx.world_size} rank(s) on {nodes} node(s) via torchrun: ranks 0..{ctx.world_size - 1} "
-               f"match the process group, RANK = GROUP_RANK x LOCAL_WORLD_SIZE + LOCAL_RANK, "
-               f"all agree on {env['MASTER_ADDR']}:{env['MASTER_PORT']}")
+        print0(
+            f"OK: {ctx.world_size} rank(s) on {nodes} node(s) via torchrun: ranks 0..{ctx.world_size - 1} "
+            f"match the process group, RANK = GROUP_RANK x LOCAL_WORLD_SIZE + LOCAL_RANK, "
+            f"all agree on {env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+        )
     else:
-        print0(f"OK: {ctx.world_size} rank(s) without torchrun (spawned): only RANK, LOCAL_RANK, WORLD_SIZE, "
-               f"LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT set, consistent")
+        print0(
+            f"OK: {ctx.world_size} rank(s) without torchrun (spawned): only RANK, LOCAL_RANK, WORLD_SIZE, "
+            f"LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT set, consistent"
+        )
 
 
 if __name__ == "__main__":

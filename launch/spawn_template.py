@@ -15,6 +15,7 @@ every line is visible):
 
 Docs: https://pytorch.org/docs/stable/multiprocessing.html#spawning-subprocesses
 """
+
 import argparse
 import datetime
 import os
@@ -33,14 +34,18 @@ def worker(rank, world_size, port, fail_rank):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     # The others wait here for a rank that never comes, up to the timeout: the parent must stop them.
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=30)
+    )
     try:
         total = torch.tensor([rank + 1], device="cpu")  # this template is Gloo on CPU throughout
         dist.all_reduce(total)
         expected = world_size * (world_size + 1) // 2
         if total.item() != expected:
             raise RuntimeError(f"rank {rank}: sum {total.item()}, expected {expected}")
-        sys.stdout.write(f"rank {rank}: all_reduce of rank+1 = {total.item()}\n")  # one write: lines never mix
+        sys.stdout.write(
+            f"rank {rank}: all_reduce of rank+1 = {total.item()}\n"
+        )  # one write: lines never mix
         sys.stdout.flush()
     finally:
         dist.destroy_process_group()
@@ -51,22 +56,28 @@ def with_spawn(args, port):
         mp.spawn(worker, args=(args.nproc, port, args.fail_rank), nprocs=args.nproc, join=True)
         return 0
     except mp.ProcessRaisedException as error:  # a rank raised: the others were terminated
-        print(f"parent: a rank failed, mp.spawn stopped the rest: {str(error).strip().splitlines()[-1]}")
+        print(
+            f"parent: a rank failed, mp.spawn stopped the rest: {str(error).strip().splitlines()[-1]}"
+        )
         return 1
     except mp.ProcessExitedException as error:
-        print(f"parent: rank {error.error_index} exited with code {error.exit_code}; the rest were stopped")
+        print(
+            f"parent: rank {error.error_index} exited with code {error.exit_code}; the rest were stopped"
+        )
         return 1
 
 
 def with_process(args, port):
     context = mp.get_context("spawn")  # never fork a process that may hold CUDA or threads
-    procs = [context.Process(target=worker, args=(rank, args.nproc, port, args.fail_rank))
-             for rank in range(args.nproc)]
+    procs = [
+        context.Process(target=worker, args=(rank, args.nproc, port, args.fail_rank))
+        for rank in range(args.nproc)
+    ]
     for p in procs:
         p.start()
     while any(p.exitcode is None for p in procs):
         if any(p.exitcode not in (None, 0) for p in procs):  # one failed: the others would wait
-            for p in procs:                                   # in a collective until the timeout
+            for p in procs:  # in a collective until the timeout
                 if p.exitcode is None:
                     p.terminate()
             break
@@ -79,14 +90,20 @@ def with_process(args, port):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--method", choices=["spawn", "process"], default="spawn")
-    parser.add_argument("--fail-rank", type=int, default=-1, help="this rank raises, to show error handling")
+    parser.add_argument(
+        "--fail-rank", type=int, default=-1, help="this rank raises, to show error handling"
+    )
     args = parser.parse_args()
     if args.nproc < 1:
         sys.exit("error: --nproc must be at least 1")
-    with socket.socket() as s:  # a free port, held until the ranks have ended (see dist_setup.reserve_port)
+    with (
+        socket.socket() as s
+    ):  # a free port, held until the ranks have ended (see dist_setup.reserve_port)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", 0))
         code = (with_spawn if args.method == "spawn" else with_process)(args, s.getsockname()[1])

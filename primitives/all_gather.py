@@ -13,6 +13,7 @@ Before: rank r holds 100*r + i.  After: every rank holds all of them, in two for
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_gather
       https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_gather_into_tensor
 """
+
 import torch
 import torch.distributed as dist
 from launch.dist_setup import lesson_parser, print0, print_in_order, run
@@ -20,8 +21,12 @@ from launch.dist_setup import lesson_parser, print0, print_in_order, run
 
 def main(args, ctx):
     rank, world, n = ctx.rank, ctx.world_size, args.size
-    all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # pre-2.13 name
-    expected = torch.stack([100 * r + torch.arange(n, device="cpu") for r in range(world)])  # the full data, by hand
+    all_gather_single = (
+        getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    )  # pre-2.13 name
+    expected = torch.stack(
+        [100 * r + torch.arange(n, device="cpu") for r in range(world)]
+    )  # the full data, by hand
 
     t = 100 * rank + torch.arange(n, device=ctx.device)
     print_in_order(f"before: {t.tolist()}")
@@ -31,16 +36,22 @@ def main(args, ctx):
     dist.all_gather(parts, t)
     print_in_order(f"all_gather list:   {[p.tolist() for p in parts]}")
     if not torch.equal(torch.stack(parts).cpu(), expected):
-        raise RuntimeError(f"all_gather gave {[p.tolist() for p in parts]}, expected {expected.tolist()}")
+        raise RuntimeError(
+            f"all_gather gave {[p.tolist() for p in parts]}, expected {expected.tolist()}"
+        )
 
     # Single-tensor form: rank r's data lands in out[r*n:(r+1)*n].
     out = torch.empty(world * n, dtype=t.dtype, device=ctx.device)
     all_gather_single(out, t)
     print_in_order(f"all_gather_single: {out.tolist()}")
     if not torch.equal(out.view(world, n).cpu(), expected):
-        raise RuntimeError(f"all_gather_single gave {out.tolist()}, expected {expected.flatten().tolist()}")
+        raise RuntimeError(
+            f"all_gather_single gave {out.tolist()}, expected {expected.flatten().tolist()}"
+        )
 
-    print0(f"OK: all_gather (list) and all_gather_single gave all {world} ranks every rank's tensor, in rank order")
+    print0(
+        f"OK: all_gather (list) and all_gather_single gave all {world} ranks every rank's tensor, in rank order"
+    )
 
 
 if __name__ == "__main__":

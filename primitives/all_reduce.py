@@ -15,6 +15,7 @@ element by element. Each ReduceOp below is checked against numpy on the full dat
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_reduce
       https://pytorch.org/docs/stable/distributed.html#torch.distributed.ReduceOp
 """
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -32,13 +33,18 @@ def main(args, ctx):
         "MAX": lambda r: 100 * r + i,
         "AVG": lambda r: (100 * r + i).astype(np.float32),
         "BAND": lambda r: (0b1111 ^ (1 << r)) | i,  # every bit set but bit r, then or'ed with i
-        "BOR": lambda r: (1 << r) + 0 * i,          # only bit r
+        "BOR": lambda r: (1 << r) + 0 * i,  # only bit r
         "BXOR": lambda r: r + i,
     }
     numpy_op = {
-        "SUM": lambda a: a.sum(0), "PRODUCT": lambda a: a.prod(0), "MIN": lambda a: a.min(0),
-        "MAX": lambda a: a.max(0), "AVG": lambda a: a.mean(0), "BAND": np.bitwise_and.reduce,
-        "BOR": np.bitwise_or.reduce, "BXOR": np.bitwise_xor.reduce,
+        "SUM": lambda a: a.sum(0),
+        "PRODUCT": lambda a: a.prod(0),
+        "MIN": lambda a: a.min(0),
+        "MAX": lambda a: a.max(0),
+        "AVG": lambda a: a.mean(0),
+        "BAND": np.bitwise_and.reduce,
+        "BOR": np.bitwise_or.reduce,
+        "BXOR": np.bitwise_xor.reduce,
     }
     done = []
     for name, make in data.items():
@@ -51,27 +57,39 @@ def main(args, ctx):
         print_in_order(f"{name:8s} before {before}  after {t.tolist()}")
         expected = numpy_op[name](np.stack([make(r) for r in range(world)]))
         if not np.allclose(t.cpu().numpy(), expected):
-            raise RuntimeError(f"all_reduce {name} gave {t.tolist()}, numpy gives {expected.tolist()}")
+            raise RuntimeError(
+                f"all_reduce {name} gave {t.tolist()}, numpy gives {expected.tolist()}"
+            )
         done.append(name)
 
     # PREMUL_SUM multiplies each input by a factor, then sums. torch 2.13 makes it with the public
     # ReduceOp.PREMUL_SUM(factor), a float or a one-element tensor (ReduceOp's docstring); releases
     # before pytorch PR #172216 (Jan 2026) had only the private dist._make_nccl_premul_sum(factor).
-    premul_sum = dist.ReduceOp.PREMUL_SUM if callable(dist.ReduceOp.PREMUL_SUM) else dist._make_nccl_premul_sum
+    premul_sum = (
+        dist.ReduceOp.PREMUL_SUM
+        if callable(dist.ReduceOp.PREMUL_SUM)
+        else dist._make_nccl_premul_sum
+    )
     factor = 1.0 / world
     t = 100.0 * rank + torch.arange(n, dtype=torch.float32, device=ctx.device)
     try:
         dist.all_reduce(t, op=premul_sum(factor))
-    except RuntimeError as e:  # Gloo: "Cannot use ReduceOp.PREMUL_SUM with Gloo", raised on every rank
+    except (
+        RuntimeError
+    ) as e:  # Gloo: "Cannot use ReduceOp.PREMUL_SUM with Gloo", raised on every rank
         if ctx.backend == "nccl" or "PREMUL_SUM" not in str(e):
             raise
-        print0(f"PREMUL_SUM: {ctx.backend} refuses it ({str(e).splitlines()[0]}); NCCL and XCCL have it")
+        print0(
+            f"PREMUL_SUM: {ctx.backend} refuses it ({str(e).splitlines()[0]}); NCCL and XCCL have it"
+        )
     else:
         check_premul_sum(t, factor, world, i)
         print_in_order(f"PREMUL_SUM(1/{world}) after {t.tolist()}")
         done.append("PREMUL_SUM")
 
-    print0(f"OK: all_reduce with {', '.join(done)} over {world} rank(s) matches numpy on every rank")
+    print0(
+        f"OK: all_reduce with {', '.join(done)} over {world} rank(s) matches numpy on every rank"
+    )
 
 
 def check_premul_sum(t, factor, world, i):

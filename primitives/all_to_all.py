@@ -17,6 +17,7 @@ parallelism.
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_to_all
       https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_to_all_single
 """
+
 import torch
 import torch.distributed as dist
 from launch.dist_setup import lesson_parser, print0, print_in_order, run
@@ -24,7 +25,9 @@ from launch.dist_setup import lesson_parser, print0, print_in_order, run
 
 def piece(s, d, length):
     """What rank s sends to rank d: readable from its digits."""
-    return 100 * s + 10 * d + torch.arange(length, device="cpu")  # moved to the device by the caller
+    return (
+        100 * s + 10 * d + torch.arange(length, device="cpu")
+    )  # moved to the device by the caller
 
 
 def main(args, ctx):
@@ -36,16 +39,22 @@ def main(args, ctx):
     print_in_order(f"before: sends {[t.tolist() for t in inputs]}")
     dist.all_to_all(outputs, inputs)
     print_in_order(f"all_to_all (list): {[t.tolist() for t in outputs]}")
-    expected = torch.stack([piece(s, rank, n) for s in range(world)])  # built by hand from the full data
+    expected = torch.stack(
+        [piece(s, rank, n) for s in range(world)]
+    )  # built by hand from the full data
     if not torch.equal(torch.stack(outputs).cpu(), expected):
-        raise RuntimeError(f"all_to_all gave {[t.tolist() for t in outputs]}, expected {expected.tolist()}")
+        raise RuntimeError(
+            f"all_to_all gave {[t.tolist() for t in outputs]}, expected {expected.tolist()}"
+        )
 
     # 2. One tensor, even splits: piece d is inp[d*n:(d+1)*n].
     out = torch.empty(world * n, dtype=torch.int64, device=dev)
     dist.all_to_all_single(out, torch.cat(inputs))
     print_in_order(f"all_to_all_single: {out.tolist()}")
     if not torch.equal(out.view(world, n).cpu(), expected):
-        raise RuntimeError(f"all_to_all_single gave {out.tolist()}, expected {expected.flatten().tolist()}")
+        raise RuntimeError(
+            f"all_to_all_single gave {out.tolist()}, expected {expected.flatten().tolist()}"
+        )
 
     # 3. Uneven splits: both sides must know the sizes (exchange them first if they are data-dependent).
     count = lambda s, d: s + 2 * d + 1
@@ -54,14 +63,20 @@ def main(args, ctx):
     inp = torch.cat([piece(rank, d, count(rank, d)) for d in range(world)]).to(dev)
     out = torch.empty(sum(out_splits), dtype=torch.int64, device=dev)
     dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits)
-    print_in_order(f"uneven: sends {in_splits} -> receives {out_splits}: "
-                   f"{[p.tolist() for p in out.cpu().split(out_splits)]}")
+    print_in_order(
+        f"uneven: sends {in_splits} -> receives {out_splits}: "
+        f"{[p.tolist() for p in out.cpu().split(out_splits)]}"
+    )
     expected = torch.cat([piece(s, rank, count(s, rank)) for s in range(world)])
     if not torch.equal(out.cpu(), expected):
-        raise RuntimeError(f"uneven all_to_all_single gave {out.tolist()}, expected {expected.tolist()}")
+        raise RuntimeError(
+            f"uneven all_to_all_single gave {out.tolist()}, expected {expected.tolist()}"
+        )
 
-    print0(f"OK: all_to_all (list), all_to_all_single and its uneven splits transposed the pieces "
-           f"of {world} ranks as computed by hand")
+    print0(
+        f"OK: all_to_all (list), all_to_all_single and its uneven splits transposed the pieces "
+        f"of {world} ranks as computed by hand"
+    )
 
 
 if __name__ == "__main__":

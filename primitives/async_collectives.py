@@ -16,6 +16,7 @@ wait. We time both orders; the saving depends on cores, message size and the bac
 Docs: https://pytorch.org/docs/stable/distributed.html#synchronous-and-asynchronous-collective-operations
       https://pytorch.org/docs/stable/futures.html
 """
+
 import time
 
 import torch
@@ -26,7 +27,9 @@ from launch.dist_setup import lesson_parser, print0, print_in_order, run
 def main(args, ctx):
     rank, world, dev = ctx.rank, ctx.world_size, ctx.device
     sync = (lambda: torch.accelerator.synchronize()) if dev.type != "cpu" else (lambda: None)
-    full_sum = sum(100 * r for r in range(world)) + world * torch.arange(args.size, dtype=torch.float32, device="cpu")
+    full_sum = sum(100 * r for r in range(world)) + world * torch.arange(
+        args.size, dtype=torch.float32, device="cpu"
+    )
 
     # 1. async_op=True, wait(), and a callback chained on the future.
     t = 100 * rank + torch.arange(args.size, dtype=torch.float32, device=dev)
@@ -39,12 +42,18 @@ def main(args, ctx):
     except RuntimeError as error:  # Gloo keeps the base Work's method, which raises
         status = error
     if not torch.equal(t.cpu(), full_sum) or not torch.allclose(mean.cpu(), full_sum / world):
-        raise RuntimeError(f"rank {rank}: sum {t[:4].tolist()} / mean {mean[:4].tolist()} do not match plain torch")
-    print_in_order(f"async all_reduce sum[:3] = {t[:3].tolist()}, callback's mean[:3] = {mean[:3].tolist()}")
+        raise RuntimeError(
+            f"rank {rank}: sum {t[:4].tolist()} / mean {mean[:4].tolist()} do not match plain torch"
+        )
+    print_in_order(
+        f"async all_reduce sum[:3] = {t[:3].tolist()}, callback's mean[:3] = {mean[:3].tolist()}"
+    )
     print0(check_status(status, ctx))
 
     # 2. Overlap. The same communication and the same computation, one after the other, then together.
-    x = torch.randn(args.compute, args.compute, generator=torch.Generator().manual_seed(rank)).to(dev)
+    x = torch.randn(args.compute, args.compute, generator=torch.Generator().manual_seed(rank)).to(
+        dev
+    )
 
     def compute():
         y = x
@@ -76,17 +85,23 @@ def main(args, ctx):
             sync()
             best = min(best, time.perf_counter() - start)
         if not torch.equal(t.cpu(), torch.full((args.size,), float(world), device="cpu")):
-            raise RuntimeError(f"{name}: all_reduce of ones gave {t[:4].tolist()}, expected {world}")
+            raise RuntimeError(
+                f"{name}: all_reduce of ones gave {t[:4].tolist()}, expected {world}"
+            )
         if not torch.allclose(y, compute()):
             raise RuntimeError(f"{name}: the computation changed its result")
         times[name] = best
     saved = times["sequential"] - times["overlapped"]
-    print_in_order(f"all_reduce of {args.size} floats + {args.steps} matmuls {args.compute}x{args.compute}: "
-                   f"sequential {1e3 * times['sequential']:.1f} ms, overlapped {1e3 * times['overlapped']:.1f} ms, "
-                   f"saved {1e3 * saved:.1f} ms ({100 * saved / times['sequential']:.0f}%)")
-    print0("OK: async all_reduce + wait() and a .then() callback match plain torch; "
-           "overlap of communication and computation measured (best of "
-           f"{args.repeat}, same results either way)")
+    print_in_order(
+        f"all_reduce of {args.size} floats + {args.steps} matmuls {args.compute}x{args.compute}: "
+        f"sequential {1e3 * times['sequential']:.1f} ms, overlapped {1e3 * times['overlapped']:.1f} ms, "
+        f"saved {1e3 * saved:.1f} ms ({100 * saved / times['sequential']:.0f}%)"
+    )
+    print0(
+        "OK: async all_reduce + wait() and a .then() callback match plain torch; "
+        "overlap of communication and computation measured (best of "
+        f"{args.repeat}, same results either way)"
+    )
 
 
 def check_status(status, ctx):
@@ -97,16 +112,22 @@ def check_status(status, ctx):
     COMM_ERROR; c10d/ProcessGroupNCCL.cpp). Work::getFutureResult (Work.cpp) raises "not implemented"."""
     if isinstance(status, Exception):
         return f"get_future_result(): not supported on {ctx.backend} ({status}); NCCL gives a status code"
-    name = torch._C._distributed_c10d.WorkResult(status).name  # not re-exported under torch.distributed
+    name = torch._C._distributed_c10d.WorkResult(
+        status
+    ).name  # not re-exported under torch.distributed
     if status != 0:
-        raise RuntimeError(f"get_future_result() says {status} ({name}) for an all_reduce that finished")
+        raise RuntimeError(
+            f"get_future_result() says {status} ({name}) for an all_reduce that finished"
+        )
     return f"get_future_result() on {ctx.backend}: {status} ({name})"
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument("--size", type=int, default=1 << 18, help="floats all-reduced")
-    parser.add_argument("--compute", type=int, default=128, help="matrix size of the overlapped work")
+    parser.add_argument(
+        "--compute", type=int, default=128, help="matrix size of the overlapped work"
+    )
     parser.add_argument("--steps", type=int, default=8, help="matmuls in the overlapped work")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs; the best is printed")
     run(main, parser.parse_args())

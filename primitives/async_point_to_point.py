@@ -24,6 +24,7 @@ progresses each isend/irecv on its own and takes any order.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.isend
 """
+
 import torch
 import torch.distributed as dist
 from launch.dist_setup import lesson_parser, print0, print_in_order, run
@@ -49,7 +50,9 @@ def main(args, ctx):
     done_at_post = recv_work.is_completed()
 
     # Useful work that needs neither buffer overlaps with the transfer.
-    a = torch.randn(args.compute, args.compute, generator=torch.Generator().manual_seed(rank)).to(ctx.device)
+    a = torch.randn(args.compute, args.compute, generator=torch.Generator().manual_seed(rank)).to(
+        ctx.device
+    )
     polls = 0
     for _ in range(args.steps):
         a = torch.tanh(a @ a / args.compute)
@@ -69,19 +72,27 @@ def main(args, ctx):
         raise RuntimeError("a Work handle is not completed after wait()")
 
     show = lambda t: t.tolist() if n <= 8 else f"{t[:4].tolist()}..."
-    print_in_order(f"sent {show(sent_values)} to rank {right}; received {show(recv_buf)} from rank {left}; "
-                   f"irecv completed: at post {done_at_post}, after {polls} compute step(s) {done_after_compute}")
+    print_in_order(
+        f"sent {show(sent_values)} to rank {right}; received {show(recv_buf)} from rank {left}; "
+        f"irecv completed: at post {done_at_post}, after {polls} compute step(s) {done_after_compute}"
+    )
     polled = torch.tensor([int(done_after_compute)], device=ctx.device)
     dist.all_reduce(polled)
     if polled.item() == 0:
-        print0(f"No rank saw its irecv completed before wait(): on {ctx.backend} polling is only a hint.")
-    print0("OK: isend/irecv delivered each left neighbour's data while computation ran; "
-           "is_completed() polled without blocking, wait() made the buffers safe")
+        print0(
+            f"No rank saw its irecv completed before wait(): on {ctx.backend} polling is only a hint."
+        )
+    print0(
+        "OK: isend/irecv delivered each left neighbour's data while computation ran; "
+        "is_completed() polled without blocking, wait() made the buffers safe"
+    )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__, min_ranks=2)
     parser.add_argument("--size", type=int, default=4, help="elements per message")
-    parser.add_argument("--compute", type=int, default=64, help="matrix size of the overlapped work")
+    parser.add_argument(
+        "--compute", type=int, default=64, help="matrix size of the overlapped work"
+    )
     parser.add_argument("--steps", type=int, default=20, help="most compute steps before waiting")
     run(main, parser.parse_args())

@@ -20,6 +20,7 @@ and start new children from the next call.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#backends
 """
+
 import datetime
 import multiprocessing
 import os
@@ -46,9 +47,17 @@ def probe_column(conn, backend, device_type, start, rank, n, local_rank, gpus, s
         if dev.type == "cuda":
             torch.cuda.set_device(dev)  # as launch/dist_setup.py does for the lessons
         (host, port), prefix = store_at
-        store = dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False, timeout=coord_timeout))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=n, timeout=op_timeout,
-                                device_id=dev if dev.type != "cpu" else None)
+        store = dist.PrefixStore(
+            prefix, dist.TCPStore(host, port, is_master=False, timeout=coord_timeout)
+        )
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=n,
+            timeout=op_timeout,
+            device_id=dev if dev.type != "cpu" else None,
+        )
         coord = dist.new_group(backend="gloo", timeout=coord_timeout)  # to agree on outcomes
         group = dist.new_group(backend=backend, timeout=op_timeout)  # to try the calls on
     except Exception as e:
@@ -64,7 +73,9 @@ def probe_column(conn, backend, device_type, start, rank, n, local_rank, gpus, s
             error = error_text(e)
         errors = [None] * n
         try:
-            dist.all_gather_object(errors, error, group=coord)  # pickles: fine between our own ranks
+            dist.all_gather_object(
+                errors, error, group=coord
+            )  # pickles: fine between our own ranks
         except Exception:
             os._exit(3)  # a peer's process is gone: leave too, the parents know where we were
         conn.send((i, errors))
@@ -81,13 +92,27 @@ def run_child(args, ctx, backend, device_type, start, gpus, store_at, attempt):
     Returns ({call index: errors per rank}, the error that stopped its set-up or None, exit code)."""
     spawn = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA or threads
     receiver, sender = spawn.Pipe(duplex=False)
-    child = spawn.Process(target=probe_column, args=(
-        sender, backend, device_type, start, ctx.rank, ctx.world_size, ctx.local_rank, gpus,
-        (store_at, f"matrix/{backend}/{device_type}/{attempt}"), (args.op_timeout, args.timeout)))
+    child = spawn.Process(
+        target=probe_column,
+        args=(
+            sender,
+            backend,
+            device_type,
+            start,
+            ctx.rank,
+            ctx.world_size,
+            ctx.local_rank,
+            gpus,
+            (store_at, f"matrix/{backend}/{device_type}/{attempt}"),
+            (args.op_timeout, args.timeout),
+        ),
+    )
     child.start()
     sender.close()
     seen, init_error = {}, None
-    quiet_after = args.op_timeout + 2 * args.timeout  # a call, the agreement after it, or the start-up
+    quiet_after = (
+        args.op_timeout + 2 * args.timeout
+    )  # a call, the agreement after it, or the start-up
     while receiver.poll(quiet_after):
         try:
             index, errors = receiver.recv()
@@ -118,18 +143,26 @@ def probe(args, ctx, backend, device_type, count, gpus, store_at, coord):
     outcome, start, attempt = {}, 0, 0
     while start < count:
         reports = [None] * ctx.world_size  # what every rank's child reported, and how it ended
-        dist.all_gather_object(reports, run_child(args, ctx, backend, device_type, start, gpus, store_at, attempt),
-                               group=coord)
+        dist.all_gather_object(
+            reports,
+            run_child(args, ctx, backend, device_type, start, gpus, store_at, attempt),
+            group=coord,
+        )
         for seen, _, _ in reports:
             outcome.update({i: first_error(errors) for i, errors in seen.items()})
         failed_init = first_error([init_error for _, init_error, _ in reports])
         if failed_init:
-            outcome.update({i: f"the group could not be made: {failed_init}" for i in range(start, count)})
+            outcome.update(
+                {i: f"the group could not be made: {failed_init}" for i in range(start, count)}
+            )
             break
         start = next((i for i in range(start, count) if i not in outcome), count)
         if start < count:  # no rank's child finished this call: one of them hung or crashed in it
             dead = [(r, code) for r, (_, _, code) in enumerate(reports) if code not in (0, 3)]
-            who = ", ".join(f"rank {r}'s ended with {how_it_ended(code)}" for r, code in dead) or "they ended"
+            who = (
+                ", ".join(f"rank {r}'s ended with {how_it_ended(code)}" for r, code in dead)
+                or "they ended"
+            )
             outcome[start] = f"hung or crashed: the probing processes did not finish it ({who})"
             start, attempt = start + 1, attempt + 1
     return outcome
@@ -138,7 +171,11 @@ def probe(args, ctx, backend, device_type, count, gpus, store_at, coord):
 def serve_store_for_children(coord):
     """Rank 0 serves a TCPStore on a free port of MASTER_ADDR (its host); every rank learns the port."""
     host = os.environ["MASTER_ADDR"]
-    server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if dist.get_rank() == 0 else None
+    server = (
+        dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        if dist.get_rank() == 0
+        else None
+    )
     port = [server.port if server else None]
     dist.broadcast_object_list(port, src=0, group=coord)
     return (host, port[0]), server
@@ -173,26 +210,43 @@ def main(args, ctx):
     n = ctx.world_size
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     has_gpu = gpus >= ctx.local_world_size  # one GPU per local rank, or the CUDA columns are off
-    columns = [("Gloo", "gloo", "cpu", dist.is_gloo_available()),
-               ("Gloo", "gloo", "cuda", dist.is_gloo_available() and has_gpu),
-               ("NCCL", "nccl", "cuda", dist.is_nccl_available() and has_gpu)]
+    columns = [
+        ("Gloo", "gloo", "cpu", dist.is_gloo_available()),
+        ("Gloo", "gloo", "cuda", dist.is_gloo_available() and has_gpu),
+        ("NCCL", "nccl", "cuda", dist.is_nccl_available() and has_gpu),
+    ]
     # A CPU group for the parents to agree on outcomes; it waits while the children probe.
-    coord = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3 * args.timeout + args.op_timeout))
-    store_at, _server = serve_store_for_children(coord)  # _server: rank 0 keeps it alive until the end
+    coord = dist.new_group(
+        backend="gloo", timeout=datetime.timedelta(seconds=3 * args.timeout + args.op_timeout)
+    )
+    store_at, _server = serve_store_for_children(
+        coord
+    )  # _server: rank 0 keeps it alive until the end
     names = [name for name, _ in calls(ctx.rank, n, torch.device("cpu"))]
-    outcomes = [probe(args, ctx, backend, dev, len(names), gpus, store_at, coord) if available else None
-                for _, backend, dev, available in columns]
+    outcomes = [
+        probe(args, ctx, backend, dev, len(names), gpus, store_at, coord) if available else None
+        for _, backend, dev, available in columns
+    ]
 
     supported = print_table(names, columns, outcomes)
-    print0(f"\nMade with torch {torch.__version__} on {platform.system()} {platform.machine()}, {n} ranks, "
-           f"{gpus} GPU(s), by: python primitives/backend_matrix.py --nproc {n} --op-timeout {args.op_timeout:g}")
+    print0(
+        f"\nMade with torch {torch.__version__} on {platform.system()} {platform.machine()}, {n} ranks, "
+        f"{gpus} GPU(s), by: python primitives/backend_matrix.py --nproc {n} --op-timeout {args.op_timeout:g}"
+    )
     live = [f"{label}/{dev.upper()}" for label, _, dev, available in columns if available]
-    print0(f"OK: tried {len(names)} calls on {', '.join(live)} with {n} ranks, each result checked: "
-           f"{supported} of {len(names) * len(live)} work; {len(columns) - len(live)} backend/device pair(s) "
-           "not available here")
+    print0(
+        f"OK: tried {len(names)} calls on {', '.join(live)} with {n} ranks, each result checked: "
+        f"{supported} of {len(names) * len(live)} work; {len(columns) - len(live)} backend/device pair(s) "
+        "not available here"
+    )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__, min_ranks=2)
-    parser.add_argument("--op-timeout", type=float, default=5.0, help="seconds a call may take before it counts as no")
+    parser.add_argument(
+        "--op-timeout",
+        type=float,
+        default=5.0,
+        help="seconds a call may take before it counts as no",
+    )
     run(main, parser.parse_args())

@@ -3,6 +3,7 @@
 A probe makes one call on a group and raises if the backend refuses it or the result is wrong (rank
 r holds r + 1). Unbatched send/recv go in pairs, never in a ring that may deadlock on NCCL (deadlock.py).
 """
+
 import datetime
 import functools
 
@@ -15,7 +16,9 @@ ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_
 REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 # torch 2.13: ReduceOp.PREMUL_SUM(factor) makes the op (public since pytorch PR #172216); before, only the
 # private dist._make_nccl_premul_sum(factor) did.
-PREMUL_SUM = dist.ReduceOp.PREMUL_SUM if callable(dist.ReduceOp.PREMUL_SUM) else dist._make_nccl_premul_sum
+PREMUL_SUM = (
+    dist.ReduceOp.PREMUL_SUM if callable(dist.ReduceOp.PREMUL_SUM) else dist._make_nccl_premul_sum
+)
 
 
 def expect(tensor, value, what=""):
@@ -111,7 +114,10 @@ def calls(rank, n, dev):
 
     def batch_isend_irecv(g):  # a ring is safe here: batched, so nothing waits on anything
         t = torch.empty(2, device=dev)
-        ops = [dist.P2POp(dist.isend, mine(), (rank + 1) % n, g), dist.P2POp(dist.irecv, t, (rank - 1) % n, g)]
+        ops = [
+            dist.P2POp(dist.isend, mine(), (rank + 1) % n, g),
+            dist.P2POp(dist.irecv, t, (rank - 1) % n, g),
+        ]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         expect(t, (rank - 1) % n + 1.0)
@@ -133,7 +139,9 @@ def calls(rank, n, dev):
 
     def scatter_object_list(g):
         out = [None]
-        dist.scatter_object_list(out, [f"to {r}" for r in range(n)] if rank == 0 else None, src=0, group=g)
+        dist.scatter_object_list(
+            out, [f"to {r}" for r in range(n)] if rank == 0 else None, src=0, group=g
+        )
         expect_object(out[0], f"to {rank}")
 
     def send_recv_object_list(g):
@@ -152,8 +160,14 @@ def calls(rank, n, dev):
         ("all_reduce", all_reduce),
         ("reduce", reduce),
         ("all_gather", all_gather),
-        ("all_gather_single / all_gather_into_tensor", functools.partial(all_gather_single, shape=(2 * n,))),
-        ("all_gather_single, output shaped (n, k)", functools.partial(all_gather_single, shape=(n, 2))),
+        (
+            "all_gather_single / all_gather_into_tensor",
+            functools.partial(all_gather_single, shape=(2 * n,)),
+        ),
+        (
+            "all_gather_single, output shaped (n, k)",
+            functools.partial(all_gather_single, shape=(n, 2)),
+        ),
         ("gather", gather),
         ("scatter", scatter),
         ("reduce_scatter", reduce_scatter),
@@ -162,8 +176,12 @@ def calls(rank, n, dev):
         ("all_to_all_single", all_to_all_single),
         ("barrier", lambda g: dist.barrier(group=g)),
         ("send / recv", functools.partial(send_recv, send=dist.send, recv=dist.recv)),
-        ("isend / irecv", functools.partial(send_recv, send=posted_then_waited(dist.isend),
-                                            recv=posted_then_waited(dist.irecv))),
+        (
+            "isend / irecv",
+            functools.partial(
+                send_recv, send=posted_then_waited(dist.isend), recv=posted_then_waited(dist.irecv)
+            ),
+        ),
         ("batch_isend_irecv", batch_isend_irecv),
         *reduce_op_calls(rank, n, dev),
         ("broadcast_object_list", broadcast_object_list),
@@ -171,8 +189,12 @@ def calls(rank, n, dev):
         ("gather_object", gather_object),
         ("scatter_object_list", scatter_object_list),
         ("send_object_list / recv_object_list", send_recv_object_list),
-        ("monitored_barrier", lambda g: dist.monitored_barrier(group=g, timeout=datetime.timedelta(seconds=5),
-                                                               wait_all_ranks=True)),
+        (
+            "monitored_barrier",
+            lambda g: dist.monitored_barrier(
+                group=g, timeout=datetime.timedelta(seconds=5), wait_all_ranks=True
+            ),
+        ),
     ]
 
 
@@ -183,7 +205,12 @@ def reduce_op_calls(rank, n, dev):
     total, R = sum(values), dist.ReduceOp
     ops = [  # (row name, a function that makes the op, expected value, dtype)
         ("ReduceOp.SUM", lambda: R.SUM, total, torch.float32),
-        ("ReduceOp.PRODUCT", lambda: R.PRODUCT, float(functools.reduce(int.__mul__, values)), torch.float32),
+        (
+            "ReduceOp.PRODUCT",
+            lambda: R.PRODUCT,
+            float(functools.reduce(int.__mul__, values)),
+            torch.float32,
+        ),
         ("ReduceOp.MIN", lambda: R.MIN, 1.0, torch.float32),
         ("ReduceOp.MAX", lambda: R.MAX, float(n), torch.float32),
         ("ReduceOp.AVG", lambda: R.AVG, total / n, torch.float32),
@@ -198,5 +225,7 @@ def reduce_op_calls(rank, n, dev):
         dist.all_reduce(t, op=make_op(), group=g)
         expect(t, value)
 
-    return [(name, functools.partial(probe, make_op=make_op, value=value, dtype=dtype))
-            for name, make_op, value, dtype in ops]
+    return [
+        (name, functools.partial(probe, make_op=make_op, value=value, dtype=dtype))
+        for name, make_op, value, dtype in ops
+    ]

@@ -12,6 +12,7 @@ Also: monitored_barrier (Gloo only), which names the ranks that did not arrive i
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.barrier
       https://pytorch.org/docs/stable/distributed.html#torch.distributed.monitored_barrier
 """
+
 import datetime
 import os
 import tempfile
@@ -44,13 +45,17 @@ def main(args, ctx):
             with open(path) as f:
                 seen = f.read()
         except FileNotFoundError:
-            raise RuntimeError(f"rank {ctx.rank}: {path} does not exist yet: nothing made this rank wait") from None
+            raise RuntimeError(
+                f"rank {ctx.rank}: {path} does not exist yet: nothing made this rank wait"
+            ) from None
         print_in_order(f"left the barrier after {waited:.2f}s and read: {seen!r}")
 
         if ctx.backend == "gloo":
             # Rank 0 collects an acknowledgement from each rank; on timeout it raises an error
             # that lists the missing ranks (a hang made readable). Costs more than barrier().
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=args.timeout), wait_all_ranks=True)
+            dist.monitored_barrier(
+                timeout=datetime.timedelta(seconds=args.timeout), wait_all_ranks=True
+            )
             print0("monitored_barrier: all ranks acknowledged")
         else:
             print0(f"monitored_barrier: skipped, Gloo only ({ctx.backend} here)")
@@ -59,12 +64,18 @@ def main(args, ctx):
     finally:
         if ctx.local_rank == 0 and os.path.exists(path):
             os.remove(path)
-    print0(f"OK: all {ctx.world_size} ranks waited at the barrier and read the file local rank 0 "
-           f"wrote after {args.delay:g}s")
+    print0(
+        f"OK: all {ctx.world_size} ranks waited at the barrier and read the file local rank 0 "
+        f"wrote after {args.delay:g}s"
+    )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--delay", type=float, default=0.5, help="seconds local rank 0 takes to prepare")
-    test_flags(parser).add_argument("--no-barrier", action="store_true", help="skip the barrier: the readers must fail")
+    parser.add_argument(
+        "--delay", type=float, default=0.5, help="seconds local rank 0 takes to prepare"
+    )
+    test_flags(parser).add_argument(
+        "--no-barrier", action="store_true", help="skip the barrier: the readers must fail"
+    )
     run(main, parser.parse_args())

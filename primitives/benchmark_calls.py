@@ -4,6 +4,7 @@ Rank r's input holds value(r, i) = i % 7 + r + 1 at index i, so every result ele
 integer known in closed form; fill and first_wrong work chunk by chunk, on the device, so that no
 temporary is as large as the message (up to 8G on a GPU).
 """
+
 import torch
 import torch.distributed as dist
 
@@ -23,7 +24,7 @@ def fill(buf, r):
     flat = buf.view(-1)
     for start in range(0, flat.numel(), CHUNK):
         idx = torch.arange(start, min(start + CHUNK, flat.numel()), device=flat.device)
-        flat[start:start + idx.numel()] = value(r, idx)
+        flat[start : start + idx.numel()] = value(r, idx)
 
 
 def first_wrong(result, expected, rtol):
@@ -31,8 +32,10 @@ def first_wrong(result, expected, rtol):
     flat = result.view(-1)
     for start in range(0, flat.numel(), CHUNK):
         idx = torch.arange(start, min(start + CHUNK, flat.numel()), device=flat.device)
-        got, want = flat[start:start + idx.numel()].double(), expected(idx).double()
-        bad = (~((got - want).abs() <= rtol * want.abs())).nonzero()  # written so that a NaN counts as wrong
+        got, want = flat[start : start + idx.numel()].double(), expected(idx).double()
+        bad = (
+            ~((got - want).abs() <= rtol * want.abs())
+        ).nonzero()  # written so that a NaN counts as wrong
         if bad.numel():
             i = bad[0].item()
             return start + i, got[i].item(), want[i].item()
@@ -45,23 +48,40 @@ def make_call(op, count, dtype, device, rank, n):
     part, right, left = count // n, (rank + 1) % n, (rank - 1) % n
     out = torch.empty(part if op == "reduce_scatter" else count, dtype=dtype, device=device)
     in_place = op in ("all_reduce", "broadcast", "reduce")
-    inp = out if in_place else torch.empty(part if op == "all_gather" else count, dtype=dtype, device=device)
+    inp = (
+        out
+        if in_place
+        else torch.empty(part if op == "all_gather" else count, dtype=dtype, device=device)
+    )
 
     def total(i):  # the sum over ranks r of value(r, i)
         return n * (i % 7) + n * (n + 1) // 2
 
     def sendrecv():  # every rank sends right and receives from the left, in one batch (NCCL-safe)
-        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, inp, right), dist.P2POp(dist.irecv, out, left)]):
+        for work in dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, inp, right), dist.P2POp(dist.irecv, out, left)]
+        ):
             work.wait()
 
-    call, expected = {  # size = all_gather's output, reduce_scatter's input: rank r's part is at r * part
+    (
+        call,
+        expected,
+    ) = {  # size = all_gather's output, reduce_scatter's input: rank r's part is at r * part
         "all_reduce": (lambda: dist.all_reduce(out), total),
         "all_gather": (lambda: ALL_GATHER_SINGLE(out, inp), lambda i: value(i // part, i % part)),
-        "reduce_scatter": (lambda: REDUCE_SCATTER_SINGLE(out, inp), lambda i: total(rank * part + i)),
+        "reduce_scatter": (
+            lambda: REDUCE_SCATTER_SINGLE(out, inp),
+            lambda i: total(rank * part + i),
+        ),
         "broadcast": (lambda: dist.broadcast(out, src=0), lambda i: value(0, i)),
-        "reduce": (lambda: dist.reduce(out, dst=0), total if rank == 0 else None),  # defined on the root only
-        "all_to_all": (lambda: dist.all_to_all_single(out, inp),  # block j of my input goes to rank j
-                       lambda i: value(i // part, rank * part + i % part)),  # block s of my output came from s
+        "reduce": (
+            lambda: dist.reduce(out, dst=0),
+            total if rank == 0 else None,
+        ),  # defined on the root only
+        "all_to_all": (
+            lambda: dist.all_to_all_single(out, inp),  # block j of my input goes to rank j
+            lambda i: value(i // part, rank * part + i % part),
+        ),  # block s of my output came from s
         "sendrecv": (sendrecv, lambda i: value(left, i)),
     }[op]
     return out, inp, call, expected

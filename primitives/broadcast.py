@@ -9,13 +9,17 @@ it is overwritten in place (nothing is allocated for you).
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.broadcast
 """
+
 import torch
 import torch.distributed as dist
 from launch.dist_setup import lesson_parser, print0, print_in_order, run
 
 
 def main(args, ctx):
-    ctx.require(0 <= args.src < ctx.world_size, f"--src {args.src} is not a rank of a {ctx.world_size}-rank world")
+    ctx.require(
+        0 <= args.src < ctx.world_size,
+        f"--src {args.src} is not a rank of a {ctx.world_size}-rank world",
+    )
     rank, n, src = ctx.rank, args.size, args.src
 
     t = 100 * rank + torch.arange(n, device=ctx.device)
@@ -26,7 +30,9 @@ def main(args, ctx):
     # Independent check: the full data (every rank's starting tensor), and the row of src.
     full = torch.stack([100 * r + torch.arange(n, device="cpu") for r in range(ctx.world_size)])
     if not torch.equal(t.cpu(), full[src]):
-        raise RuntimeError(f"rank {rank} holds {t.tolist()}, expected rank {src}'s {full[src].tolist()}")
+        raise RuntimeError(
+            f"rank {rank} holds {t.tolist()}, expected rank {src}'s {full[src].tolist()}"
+        )
     print0(f"OK: broadcast copied rank {src}'s tensor to all {ctx.world_size} ranks")
 
 

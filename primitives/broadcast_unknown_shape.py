@@ -11,13 +11,23 @@ rank 0 is both sources); each source draws its shape from its own random generat
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.broadcast
 """
+
 import torch
 import torch.distributed as dist
 from launch.dist_setup import lesson_parser, print0, print_in_order, run
 
 # The dtype code is an index in this list: it is code, not data, so every rank has the same list.
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
-          torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
 MAX_DIMS = 8
 
 
@@ -30,7 +40,7 @@ def broadcast_tensor(tensor, src, device):
     header = torch.zeros(2 + MAX_DIMS, dtype=torch.int64, device=device)  # same size on every rank
     if dist.get_rank() == src:
         header[0], header[1] = tensor.dim(), DTYPES.index(tensor.dtype)
-        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64, device=device)
+        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64, device=device)
     dist.broadcast(header, src=src)
     ndim, code, *dims = header.tolist()  # one copy to the host, on GPUs too
     if dist.get_rank() != src:
@@ -46,16 +56,26 @@ def main(args, ctx):
     received = []
     for turn, src in enumerate(sources):
         mine = source_tensor(turn, src, args.seed).to(ctx.device) if rank == src else None
-        print_in_order(f"turn {turn}, before: " + (f"holds {describe(mine)}" if mine is not None
-                                                    else f"knows nothing of rank {src}'s tensor"))
+        print_in_order(
+            f"turn {turn}, before: "
+            + (
+                f"holds {describe(mine)}"
+                if mine is not None
+                else f"knows nothing of rank {src}'s tensor"
+            )
+        )
         t = broadcast_tensor(mine, src, ctx.device)
         print_in_order(f"turn {turn}, after broadcast from rank {src}: {describe(t)}")
         received.append(t)
 
     check_against_rebuilt(received, sources, args.seed, rank)
-    shapes = " then ".join(f"{describe(t, values=False)} from rank {s}" for t, s in zip(received, sources))
-    print0(f"OK: {world} rank(s) received {shapes}, shape and dtype learnt from a "
-           f"{2 + MAX_DIMS}-element header; equal to the tensors rebuilt from the seed")
+    shapes = " then ".join(
+        f"{describe(t, values=False)} from rank {s}" for t, s in zip(received, sources)
+    )
+    print0(
+        f"OK: {world} rank(s) received {shapes}, shape and dtype learnt from a "
+        f"{2 + MAX_DIMS}-element header; equal to the tensors rebuilt from the seed"
+    )
 
 
 def source_tensor(turn, src, seed):
@@ -77,9 +97,15 @@ def check_against_rebuilt(received, sources, seed, rank):
     """Rebuild each source's tensor here with plain torch (every rank knows the seed) and compare, bit for bit."""
     for turn, (t, src) in enumerate(zip(received, sources)):
         expected = source_tensor(turn, src, seed)
-        if t.dtype != expected.dtype or t.shape != expected.shape or not torch.equal(t.cpu(), expected):
-            raise RuntimeError(f"rank {rank}, turn {turn}: received {describe(t)}, "
-                               f"but rank {src} sent {describe(expected)}")
+        if (
+            t.dtype != expected.dtype
+            or t.shape != expected.shape
+            or not torch.equal(t.cpu(), expected)
+        ):
+            raise RuntimeError(
+                f"rank {rank}, turn {turn}: received {describe(t)}, "
+                f"but rank {src} sent {describe(expected)}"
+            )
 
 
 if __name__ == "__main__":

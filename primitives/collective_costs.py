@@ -14,6 +14,7 @@ NCCL's bytes bypass the process's syscalls: see them with nsys or NCCL_DEBUG=INF
 Docs: https://pytorch.org/docs/stable/distributed.html#collective-functions
       https://man7.org/linux/man-pages/man5/proc_pid_io.5.html (wchar), https://man7.org/linux/man-pages/man7/tcp.7.html
 """
+
 import contextlib
 import os
 import re
@@ -29,8 +30,12 @@ from launch.dist_setup import lesson_parser, print0, print_in_order, run
 def main(args, ctx):
     ctx.require(args.size >= 1, f"--size must be at least 1, got {args.size}")
     rank, world, dev, n, src = ctx.rank, ctx.world_size, ctx.device, args.size, 0
-    all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # pre-2.13 name
-    meter = Meter(ctx)  # with meter(name, lambda: [the tensors the block allocates]): measured around the block
+    all_gather_single = (
+        getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    )  # pre-2.13 name
+    meter = Meter(
+        ctx
+    )  # with meter(name, lambda: [the tensors the block allocates]): measured around the block
 
     # scatter: only the source holds all world*n values; each rank allocates and receives its n.
     with meter("scatter", lambda: [full, mine]):
@@ -39,9 +44,13 @@ def main(args, ctx):
         dist.scatter(mine, list(full.chunk(world)) if rank == src else None, src=src)
     # broadcast, then slice: every rank allocates and receives all world*n values, then keeps n.
     with meter("broadcast+slice", lambda: [everything]):
-        everything = rows(0, world, n, dev) if rank == src else torch.empty(world * n, dtype=torch.int32, device=dev)
+        everything = (
+            rows(0, world, n, dev)
+            if rank == src
+            else torch.empty(world * n, dtype=torch.int32, device=dev)
+        )
         dist.broadcast(everything, src=src)
-        sliced = everything[rank * n:(rank + 1) * n]
+        sliced = everything[rank * n : (rank + 1) * n]
     # all_reduce: n values in, the n sums out, in place.
     with meter("all_reduce", lambda: [x]):
         x = rows(rank, 1, n, dev)
@@ -53,7 +62,9 @@ def main(args, ctx):
         all_gather_single(gathered, y)
         total = gathered.view(world, n).sum(0, dtype=torch.int32)
 
-    check_results(rows(0, world, n, "cpu").view(world, n), rank, mine=mine, sliced=sliced, x=x, total=total)
+    check_results(
+        rows(0, world, n, "cpu").view(world, n), rank, mine=mine, sliced=sliced, x=x, total=total
+    )
     probe = check_counters(meter, ctx, 4 * n)
     print_in_order(meter.table())
     print0(check_costs(meter.rows, ctx, src, 4 * n, probe))
@@ -61,7 +72,9 @@ def main(args, ctx):
 
 def rows(first, count, n, device):
     """Rows first..first+count-1 of the full data (world rows of n int32), flat: (r*n + i) % 997, so sums are exact."""
-    return torch.arange(first * n, (first + count) * n, dtype=torch.int32, device=device).remainder_(997)
+    return torch.arange(
+        first * n, (first + count) * n, dtype=torch.int32, device=device
+    ).remainder_(997)
 
 
 def socket_bytes():
@@ -74,9 +87,13 @@ def socket_bytes():
     for fd in os.listdir("/proc/self/fd"):
         try:
             if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-                with socket.socket(fileno=os.dup(int(fd))) as s:  # a duplicate: closing it leaves Gloo's open
+                with socket.socket(
+                    fileno=os.dup(int(fd))
+                ) as s:  # a duplicate: closing it leaves Gloo's open
                     info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 136)
-                received += struct.unpack_from("Q", info, 128)[0]  # tcpi_bytes_received, linux/tcp.h
+                received += struct.unpack_from("Q", info, 128)[
+                    0
+                ]  # tcpi_bytes_received, linux/tcp.h
         except OSError:  # not a TCP socket, or closed meanwhile
             pass
     return wrote, received
@@ -86,7 +103,11 @@ class Meter:
     """Memory allocated and bytes moved by each block, read right around it."""
 
     def __init__(self, ctx):
-        self.ctx, self.rows, self.counts = ctx, {}, ctx.backend == "gloo" and socket_bytes() is not None
+        self.ctx, self.rows, self.counts = (
+            ctx,
+            {},
+            ctx.backend == "gloo" and socket_bytes() is not None,
+        )
 
     @contextlib.contextmanager
     def __call__(self, name, tensors):
@@ -98,16 +119,28 @@ class Meter:
         before = socket_bytes() if self.counts else None
         yield
         after = socket_bytes() if self.counts else None
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors() if t is not None}
-        row = self.rows[name] = dict(allocated=torch.cuda.max_memory_allocated(dev) - base if cuda
-                                     else sum(storages.values()))
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in tensors()
+            if t is not None
+        }
+        row = self.rows[name] = dict(
+            allocated=torch.cuda.max_memory_allocated(dev) - base
+            if cuda
+            else sum(storages.values())
+        )
         if after is not None:
             row.update(sent=after[0] - before[0], received=after[1] - before[1])
 
     def table(self):
         kib = lambda row, k: f"{row[k] / 1024:12.1f}" if k in row else f"{'-':>12}"  # noqa: E731
-        return "\n".join([f"{'':16}{'allocated':>12}{'sent':>12}{'received':>12}  (KiB)"] + [
-            f"{name:16}" + "".join(kib(row, k) for k in ("allocated", "sent", "received")) for name, row in self.rows.items()])
+        return "\n".join(
+            [f"{'':16}{'allocated':>12}{'sent':>12}{'received':>12}  (KiB)"]
+            + [
+                f"{name:16}" + "".join(kib(row, k) for k in ("allocated", "sent", "received"))
+                for name, row in self.rows.items()
+            ]
+        )
 
 
 def check_results(full, rank, **got):
@@ -116,25 +149,34 @@ def check_results(full, rank, **got):
     for name, t in got.items():
         expected = full[rank] if name in ("mine", "sliced") else sums
         if not torch.equal(t.cpu(), expected):
-            raise RuntimeError(f"rank {rank}: {name} = {t[:4].tolist()}..., expected {expected[:4].tolist()}...")
+            raise RuntimeError(
+                f"rank {rank}: {name} = {t[:4].tolist()}..., expected {expected[:4].tolist()}..."
+            )
 
 
 def check_counters(meter, ctx, nbytes, slack=4096):
     """Rank 0 sends rank 1 a tensor of nbytes: both counters must move by that much, give or take headers."""
     if not meter.counts:
-        why = ("NCCL moves them without this process's syscalls: see them with nsys or NCCL_DEBUG=INFO"
-               if ctx.backend == "nccl" else "no /proc/self/io or TCP_INFO on this system")
+        why = (
+            "NCCL moves them without this process's syscalls: see them with nsys or NCCL_DEBUG=INFO"
+            if ctx.backend == "nccl"
+            else "no /proc/self/io or TCP_INFO on this system"
+        )
         return print0(f"bytes moved: not measured ({why}); memory and results are still checked")
     if ctx.world_size == 1:
         return "1 rank: nothing crosses a socket"
-    probe = torch.ones(nbytes // 4, dtype=torch.int32, device="cpu")  # device: Gloo's send/recv, host memory
+    probe = torch.ones(
+        nbytes // 4, dtype=torch.int32, device="cpu"
+    )  # device: Gloo's send/recv, host memory
     dist.barrier()
     before = socket_bytes()
     {0: lambda: dist.send(probe, 1), 1: lambda: dist.recv(probe, 0)}.get(ctx.rank, lambda: None)()
     moved = [a - b for a, b in zip(socket_bytes(), before)]
     if ctx.rank < 2 and not nbytes <= moved[ctx.rank] <= nbytes + slack:
-        raise RuntimeError(f"rank {ctx.rank} {('wrote', 'received')[ctx.rank]} {moved[ctx.rank]} bytes "
-                           f"for a {nbytes}-byte probe: the counter is wrong")
+        raise RuntimeError(
+            f"rank {ctx.rank} {('wrote', 'received')[ctx.rank]} {moved[ctx.rank]} bytes "
+            f"for a {nbytes}-byte probe: the counter is wrong"
+        )
     return f"probe of {nbytes} bytes counted within {slack}"
 
 
@@ -143,23 +185,37 @@ def check_costs(rows, ctx, src, piece, probe):
     world, rank, sc, bc = ctx.world_size, ctx.rank, rows["scatter"], rows["broadcast+slice"]
     ratio = rows["all_gather+sum"]["allocated"] / rows["all_reduce"]["allocated"]
     if ratio < world or (rank != src and bc["allocated"] < world * sc["allocated"]):
-        raise RuntimeError(f"rank {rank}: gathering allocated {ratio:.2f}x all_reduce's memory, broadcast "
-                           f"{bc['allocated']} B against scatter's {sc['allocated']} B: expected {world}x or more")
+        raise RuntimeError(
+            f"rank {rank}: gathering allocated {ratio:.2f}x all_reduce's memory, broadcast "
+            f"{bc['allocated']} B against scatter's {sc['allocated']} B: expected {world}x or more"
+        )
     moved = f"; {probe}" if probe else ""
     if probe and world > 1:
-        needs = {"scatter": piece * (rank != src), "broadcast+slice": world * piece * (rank != src),
-                 "all_gather+sum": (world - 1) * piece}  # what this rank lacked and must have received
+        needs = {
+            "scatter": piece * (rank != src),
+            "broadcast+slice": world * piece * (rank != src),
+            "all_gather+sum": (world - 1) * piece,
+        }  # what this rank lacked and must have received
         for name, need in needs.items():
             if rows[name]["received"] < need:
-                raise RuntimeError(f"{name}: rank {rank} received {rows[name]['received']} B, it lacked {need} B")
+                raise RuntimeError(
+                    f"{name}: rank {rank} received {rows[name]['received']} B, it lacked {need} B"
+                )
         # At a few KiB, Gloo's headers (about 100 B a message, measured) decide it: compare from 64 KiB.
         if rank == src and piece >= 1 << 16 and sc["sent"] >= bc["sent"]:
-            raise RuntimeError(f"scatter's root sent {sc['sent']} B, not less than broadcast's {bc['sent']} B")
+            raise RuntimeError(
+                f"scatter's root sent {sc['sent']} B, not less than broadcast's {bc['sent']} B"
+            )
         moved = f"; root sent {sc['sent'] / 1024:.1f} KiB to scatter, {bc['sent'] / 1024:.1f} KiB to broadcast{moved}"
     return f"OK: {world} rank(s), results equal plain torch; all_gather+sum allocated {ratio:.1f}x all_reduce's memory{moved}"
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--size", type=int, default=1 << 18, help="int32 values per rank (the full data is world x size)")
+    parser.add_argument(
+        "--size",
+        type=int,
+        default=1 << 18,
+        help="int32 values per rank (the full data is world x size)",
+    )
     run(main, parser.parse_args())

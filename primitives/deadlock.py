@@ -20,6 +20,7 @@ isends wait on each other as the blocking sends did. Hence Fix 2 keeps Fix 1's p
 
 Docs: https://pytorch.org/docs/stable/distributed.html#point-to-point-communication
 """
+
 import datetime
 import time
 
@@ -46,30 +47,42 @@ def main(args, ctx):
         dist.recv(out, src=left, group=side)
         outcome, timed_out = "send and recv completed (the message was buffered: no deadlock)", 0
     except RuntimeError as error:
-        line = next((l for l in str(error).splitlines() if "Timed out" in l), str(error).splitlines()[0])
+        line = next(
+            (l for l in str(error).splitlines() if "Timed out" in l), str(error).splitlines()[0]
+        )
         outcome, timed_out = f"send to rank {right} timed out: {line.split('] ')[-1]}", 1
     waited = time.perf_counter() - start
     dist.destroy_process_group(side)  # a group that timed out is unusable: throw it away
-    print_in_order(f"send({args.demo_size} elements) first, then recv: after {waited:.1f}s, {outcome}")
+    print_in_order(
+        f"send({args.demo_size} elements) first, then recv: after {waited:.1f}s, {outcome}"
+    )
     stuck = torch.tensor([timed_out], device=ctx.device)
     dist.all_reduce(stuck)  # how many ranks were stuck, counted on the (healthy) default group
     stuck = int(stuck.item())
     if stuck:
-        print0(f"What happened: every rank sat in send waiting for its right neighbour to post a recv, "
-               f"and that neighbour sat in its own send: a cycle of waits. Only the {args.demo_timeout:g}s "
-               "timeout of the side group ended it. (NCCL queues a send on the GPU and returns: there the "
-               "hang shows at the next synchronize, until the watchdog's timeout.)")
+        print0(
+            f"What happened: every rank sat in send waiting for its right neighbour to post a recv, "
+            f"and that neighbour sat in its own send: a cycle of waits. Only the {args.demo_timeout:g}s "
+            "timeout of the side group ended it. (NCCL queues a send on the GPU and returns: there the "
+            "hang shows at the next synchronize, until the watchdog's timeout.)"
+        )
     else:
-        print0("No rank was stuck: the sends were buffered. Do not rely on it: a larger message "
-               "(--demo-size) or another backend can block, and then the same code deadlocks.")
+        print0(
+            "No rank was stuck: the sends were buffered. Do not rely on it: a larger message "
+            "(--demo-size) or another backend can block, and then the same code deadlocks."
+        )
 
     n = args.size
     mine = 100 * rank + torch.arange(n, dtype=torch.float32, device=ctx.device)
-    expected = 100 * left + torch.arange(n, dtype=torch.float32, device="cpu")  # what the left neighbour holds
+    expected = 100 * left + torch.arange(
+        n, dtype=torch.float32, device="cpu"
+    )  # what the left neighbour holds
 
     def check(name, got):
         if not torch.equal(got.cpu(), expected):
-            raise RuntimeError(f"{name}: got {got.tolist()} from rank {left}, expected {expected.tolist()}")
+            raise RuntimeError(
+                f"{name}: got {got.tolist()} from rank {left}, expected {expected.tolist()}"
+            )
         return got.tolist()
 
     # Fix 1: break the cycle by order. Even ranks send first, odd ranks receive first.
@@ -102,15 +115,23 @@ def main(args, ctx):
         work.wait()
     fix3 = check("batch_isend_irecv", got)
 
-    print_in_order(f"holds {mine.tolist()}, received from rank {left}: parity {fix1}, isend/irecv {fix2}, "
-                   f"batch {fix3}")
-    print0(f"OK: send-first deadlocked {stuck} of {world} ranks (ended by a {args.demo_timeout:g}s timeout); "
-           "parity order, isend/irecv in parity order and batch_isend_irecv each delivered the left neighbour's data")
+    print_in_order(
+        f"holds {mine.tolist()}, received from rank {left}: parity {fix1}, isend/irecv {fix2}, "
+        f"batch {fix3}"
+    )
+    print0(
+        f"OK: send-first deadlocked {stuck} of {world} ranks (ended by a {args.demo_timeout:g}s timeout); "
+        "parity order, isend/irecv in parity order and batch_isend_irecv each delivered the left neighbour's data"
+    )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__, min_ranks=2)
     parser.add_argument("--size", type=int, default=4, help="elements per message in the fixes")
-    parser.add_argument("--demo-size", type=int, default=1, help="elements per message in the deadlock")
-    parser.add_argument("--demo-timeout", type=float, default=2.0, help="seconds before the deadlock errors")
+    parser.add_argument(
+        "--demo-size", type=int, default=1, help="elements per message in the deadlock"
+    )
+    parser.add_argument(
+        "--demo-timeout", type=float, default=2.0, help="seconds before the deadlock errors"
+    )
     run(main, parser.parse_args())

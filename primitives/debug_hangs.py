@@ -12,6 +12,7 @@ Each part runs on a Gloo side group with a short --demo-timeout; the default gro
 
 Docs: https://pytorch.org/docs/stable/distributed.html#debugging-torch-distributed-applications
 """
+
 import datetime
 import faulthandler
 import os
@@ -31,16 +32,23 @@ from launch.dist_setup import lesson_parser, print0, print_in_order, run
 def main(args, ctx):
     ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: run with --nproc_per_node=2 or more")
     missing = ctx.world_size - 1 if args.missing_rank is None else args.missing_rank
-    ctx.require(1 <= missing < ctx.world_size, f"--missing-rank must be between 1 and {ctx.world_size - 1} "
-                "(rank 0 is the one that monitors)")
+    ctx.require(
+        1 <= missing < ctx.world_size,
+        f"--missing-rank must be between 1 and {ctx.world_size - 1} "
+        "(rank 0 is the one that monitors)",
+    )
     ctx.require(args.demo_timeout > 0, "--demo-timeout must be positive")
-    ctx.require(set(args.parts.split(",")) <= set("abcd"), "--parts: a comma-separated subset of a,b,c,d")
+    ctx.require(
+        set(args.parts.split(",")) <= set("abcd"), "--parts: a comma-separated subset of a,b,c,d"
+    )
 
     # (d) The line for your training script. Without file= the stacks go to stderr (here: part (d) reads them).
     stacks = tempfile.TemporaryFile("w+")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     # (c) The timeout of every demonstration's group: init_process_group(timeout=...) in a real job.
-    demo = SimpleNamespace(timeout=datetime.timedelta(seconds=args.demo_timeout), missing=missing, stacks=stacks)
+    demo = SimpleNamespace(
+        timeout=datetime.timedelta(seconds=args.demo_timeout), missing=missing, stacks=stacks
+    )
     results = []
     for name, part in [("a", part_a), ("b", part_b), ("c", part_c), ("d", part_d)]:
         if name in args.parts.split(","):
@@ -67,10 +75,16 @@ def part_a(ctx, demo):
     print_in_order(f"monitored_barrier: {outcome}")
     if ctx.rank == 0:
         named = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", outcome)
-        if not named or sorted(int(r) for r in named.group(1).replace(",", " ").split()) != [demo.missing]:
-            raise RuntimeError(f"monitored_barrier should have named rank {demo.missing}, its message was: {outcome}")
-        print0(f"-> missing rank: {demo.missing}. Rank 0 collects one message per rank and, with wait_all_ranks=True, "
-               "lists every rank that did not arrive in time instead of stopping at the first.")
+        if not named or sorted(int(r) for r in named.group(1).replace(",", " ").split()) != [
+            demo.missing
+        ]:
+            raise RuntimeError(
+                f"monitored_barrier should have named rank {demo.missing}, its message was: {outcome}"
+            )
+        print0(
+            f"-> missing rank: {demo.missing}. Rank 0 collects one message per rank and, with wait_all_ranks=True, "
+            "lists every rank that did not arrive in time instead of stopping at the first."
+        )
     return f"monitored_barrier named missing rank {demo.missing}"
 
 
@@ -87,7 +101,9 @@ def part_b(ctx, demo):
     dist.set_debug_level(before)
     caught = 0
     try:  # (b1) one rank reduces 5 elements, the others 4
-        dist.all_reduce(torch.ones(5 if ctx.rank == demo.missing else 4, device="cpu"), group=shapes_group)
+        dist.all_reduce(
+            torch.ones(5 if ctx.rank == demo.missing else 4, device="cpu"), group=shapes_group
+        )
         shapes = "no error (unexpected)"
     except RuntimeError as error:
         shapes, caught = first_line(error), caught + 1
@@ -108,11 +124,19 @@ def part_b(ctx, demo):
     print_in_order(f"shape mismatch: {shapes}\norder mismatch: {order}")
     caught = sum_over_ranks(ctx, caught)
     if caught != 2 * ctx.world_size:
-        raise RuntimeError(f"DETAIL should have raised 2 errors on each of {ctx.world_size} ranks, saw {caught}")
-    if ctx.rank == 0 and not all(f"Rank {demo.missing} is running" in text for text in (shapes, order)):
-        raise RuntimeError(f"rank 0's DETAIL errors should name rank {demo.missing}: {shapes} / {order}")
-    print0("-> with DETAIL every rank raises at the first call that differs, and the message shows both ranks' "
-           "op, shape and dtype. Without it: a wrong result, a crash or a hang, depending on the backend.")
+        raise RuntimeError(
+            f"DETAIL should have raised 2 errors on each of {ctx.world_size} ranks, saw {caught}"
+        )
+    if ctx.rank == 0 and not all(
+        f"Rank {demo.missing} is running" in text for text in (shapes, order)
+    ):
+        raise RuntimeError(
+            f"rank 0's DETAIL errors should name rank {demo.missing}: {shapes} / {order}"
+        )
+    print0(
+        "-> with DETAIL every rank raises at the first call that differs, and the message shows both ranks' "
+        "op, shape and dtype. Without it: a wrong result, a crash or a hang, depending on the backend."
+    )
     return f"DETAIL raised {caught} mismatch errors"
 
 
@@ -133,9 +157,11 @@ def part_c(ctx, demo):
     timed_out = sum_over_ranks(ctx, int(outcome.startswith("after")))
     if timed_out != ctx.world_size - 1:
         raise RuntimeError(f"expected {ctx.world_size - 1} ranks to time out, saw {timed_out}")
-    print0(f"-> {timed_out} rank(s) got an exception after the {demo.timeout.total_seconds():g}s timeout: it says that "
-           "this rank waited, not who is missing ((a) does). On NCCL the watchdog ends the process instead "
-           "(TORCH_NCCL_ASYNC_ERROR_HANDLING).")
+    print0(
+        f"-> {timed_out} rank(s) got an exception after the {demo.timeout.total_seconds():g}s timeout: it says that "
+        "this rank waited, not who is missing ((a) does). On NCCL the watchdog ends the process instead "
+        "(TORCH_NCCL_ASYNC_ERROR_HANDLING)."
+    )
     return f"a short timeout ended {timed_out} hung rank(s)"
 
 
@@ -157,7 +183,9 @@ def part_d(ctx, demo):
         poker.start()
         try:
             waits_at = f"line {sys._getframe().f_lineno + 1} in part_d"  # what the dump should show
-            dist.broadcast(torch.ones(4, device="cpu"), src=demo.missing, group=side)  # the source never sends: stuck
+            dist.broadcast(
+                torch.ones(4, device="cpu"), src=demo.missing, group=side
+            )  # the source never sends: stuck
         except RuntimeError:
             pass  # part (c) showed this error; here we want the stack taken while it waited
         done.set()
@@ -167,14 +195,23 @@ def part_d(ctx, demo):
     demo.stacks.seek(0)
     frames = [line.strip() for line in demo.stacks.read().splitlines() if "debug_hangs.py" in line]
     shown = "\n".join(frames) if ctx.rank != demo.missing else "not stuck: no stack asked for"
-    print_in_order(f"pid {os.getpid()}; Python stack taken by SIGUSR1 while waiting (frames in this file):\n{shown}")
-    if sum_over_ranks(ctx, int(ctx.rank == demo.missing or any(waits_at in f for f in frames))) != ctx.world_size:
-        raise RuntimeError("a stuck rank's faulthandler dump did not show the broadcast it waited in")
+    print_in_order(
+        f"pid {os.getpid()}; Python stack taken by SIGUSR1 while waiting (frames in this file):\n{shown}"
+    )
+    if (
+        sum_over_ranks(ctx, int(ctx.rank == demo.missing or any(waits_at in f for f in frames)))
+        != ctx.world_size
+    ):
+        raise RuntimeError(
+            "a stuck rank's faulthandler dump did not show the broadcast it waited in"
+        )
     pids = [None] * ctx.world_size
     dist.all_gather_object(pids, os.getpid())  # pickles: fine between our own ranks
-    print0(f"-> each stuck rank's dump shows the line of the broadcast it waited in. Without changing the code: "
-           f"`py-spy dump --pid {pids[0]}` (add --native for C++ frames; for all ranks: "
-           f"`for p in {' '.join(map(str, pids))}; do py-spy dump --pid $p; done`).")
+    print0(
+        f"-> each stuck rank's dump shows the line of the broadcast it waited in. Without changing the code: "
+        f"`py-spy dump --pid {pids[0]}` (add --native for C++ frames; for all ranks: "
+        f"`for p in {' '.join(map(str, pids))}; do py-spy dump --pid $p; done`)."
+    )
     return f"faulthandler dumped {ctx.world_size - 1} stuck rank(s)' stacks"
 
 
@@ -193,7 +230,11 @@ def sum_over_ranks(ctx, count):
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__, min_ranks=2)
-    parser.add_argument("--missing-rank", type=int, help="the rank that skips a call (default: the last)")
-    parser.add_argument("--demo-timeout", type=float, default=2.0, help="seconds each demonstration waits")
+    parser.add_argument(
+        "--missing-rank", type=int, help="the rank that skips a call (default: the last)"
+    )
+    parser.add_argument(
+        "--demo-timeout", type=float, default=2.0, help="seconds each demonstration waits"
+    )
     parser.add_argument("--parts", default="a,b,c,d", help="which parts to run, e.g. a,c")
     run(main, parser.parse_args())

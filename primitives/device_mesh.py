@@ -13,6 +13,7 @@ take a mesh; torchtitan builds every parallelism from one.
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.device_mesh.init_device_mesh
       https://pytorch.org/tutorials/recipes/distributed_device_mesh.html
 """
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -23,8 +24,10 @@ from launch.dist_setup import lesson_parser, print0, print_in_order, run
 def main(args, ctx):
     world = ctx.world_size
     tp = args.tp if args.tp is not None else (2 if world % 2 == 0 else 1)
-    ctx.require(tp >= 1 and world % tp == 0,
-                f"--tp {tp} does not divide the world size {world}: a {world}-rank mesh needs dp x tp = {world}")
+    ctx.require(
+        tp >= 1 and world % tp == 0,
+        f"--tp {tp} does not divide the world size {world}: a {world}-rank mesh needs dp x tp = {world}",
+    )
     dp = world // tp
     mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     i, j = mesh.get_coordinate()
@@ -33,8 +36,10 @@ def main(args, ctx):
     # The same layout by hand, in numpy: rank = i * tp + j.
     grid = np.arange(world).reshape(dp, tp)
     if grid[i, j] != ctx.rank or mesh.get_local_rank("dp") != i or mesh.get_local_rank("tp") != j:
-        raise RuntimeError(f"rank {ctx.rank} sits at {(i, j)} with local ranks "
-                           f"{mesh.get_local_rank('dp'), mesh.get_local_rank('tp')}; numpy says {np.argwhere(grid == ctx.rank)}")
+        raise RuntimeError(
+            f"rank {ctx.rank} sits at {(i, j)} with local ranks "
+            f"{mesh.get_local_rank('dp'), mesh.get_local_rank('tp')}; numpy says {np.argwhere(grid == ctx.rank)}"
+        )
 
     # A collective along each dimension: sum over my column (dp) and over my row (tp).
     mine = 100 * ctx.rank + torch.arange(args.size, device=ctx.device)
@@ -45,19 +50,33 @@ def main(args, ctx):
     dist.all_gather(row, mine, group=mesh.get_group("tp"))
 
     values = 100 * grid[..., None] + np.arange(args.size)  # every rank's data, by position
-    checks = [(over_dp, values[:, j].sum(0)), (over_tp, values[i, :].sum(0)), (torch.stack(row), values[i])]
+    checks = [
+        (over_dp, values[:, j].sum(0)),
+        (over_tp, values[i, :].sum(0)),
+        (torch.stack(row), values[i]),
+    ]
     for got, want in checks:
         if not np.array_equal(got.cpu().numpy(), want):
-            raise RuntimeError(f"rank {ctx.rank}: got {got.tolist()}, numpy on the grid gives {want.tolist()}")
-    print_in_order(f"coordinate {(i, j)}, dp rank {i}, tp rank {j}: sum over dp {over_dp.tolist()}, "
-                   f"over tp {over_tp.tolist()}, all_gather over tp {[r.tolist() for r in row]}")
-    print0(f"OK: {dp} x {tp} mesh (dp, tp): coordinates, local ranks and collectives along each "
-           "dimension match numpy on the grid")
+            raise RuntimeError(
+                f"rank {ctx.rank}: got {got.tolist()}, numpy on the grid gives {want.tolist()}"
+            )
+    print_in_order(
+        f"coordinate {(i, j)}, dp rank {i}, tp rank {j}: sum over dp {over_dp.tolist()}, "
+        f"over tp {over_tp.tolist()}, all_gather over tp {[r.tolist() for r in row]}"
+    )
+    print0(
+        f"OK: {dp} x {tp} mesh (dp, tp): coordinates, local ranks and collectives along each "
+        "dimension match numpy on the grid"
+    )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--tp", type=int, default=None,
-                        help="size of the tp dimension (default: 2 if the world size is even, else 1)")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="size of the tp dimension (default: 2 if the world size is even, else 1)",
+    )
     parser.add_argument("--size", type=int, default=2, help="elements per rank")
     run(main, parser.parse_args())

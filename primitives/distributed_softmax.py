@@ -14,17 +14,22 @@ squares. This is how vocabulary-parallel cross-entropy computes its loss.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_reduce
 """
+
 import torch
 import torch.distributed as dist
 from launch.dist_setup import lesson_parser, print0, print_in_order, run
 
 
 def main(args, ctx):
-    ctx.require(args.size >= ctx.world_size, f"--size {args.size} leaves a rank with no element: "
-                                             f"use at least {ctx.world_size}")
+    ctx.require(
+        args.size >= ctx.world_size,
+        f"--size {args.size} leaves a rank with no element: use at least {ctx.world_size}",
+    )
     # The full vector, made identically on every rank (same seed) for the check; each rank keeps a slice.
     gen = torch.Generator().manual_seed(0)
-    full = args.offset + args.scale * torch.randn(args.size, generator=gen, dtype=torch.float64, device="cpu")
+    full = args.offset + args.scale * torch.randn(
+        args.size, generator=gen, dtype=torch.float64, device="cpu"
+    )
     x = torch.tensor_split(full, ctx.world_size)[ctx.rank].to(ctx.device)
 
     m = x.max().clone()
@@ -44,30 +49,49 @@ def main(args, ctx):
     naive = torch.exp(x.float()) / naive_s
 
     show = lambda t: [round(v, 3) for v in t[:3].tolist()] + (["..."] if t.numel() > 3 else [])
-    print_in_order(f"{x.numel()} elements {show(x)}: softmax {show(softmax)} unit {show(unit)} "
-                   f"naive softmax {show(naive)}")
+    print_in_order(
+        f"{x.numel()} elements {show(x)}: softmax {show(softmax)} unit {show(unit)} "
+        f"naive softmax {show(naive)}"
+    )
 
     # Independent check: the unsharded computation in plain torch, compared slice by slice.
-    want = [t[ctx.rank] for t in (torch.tensor_split(torch.softmax(full, 0), ctx.world_size),
-                                  torch.tensor_split(full / full.norm(), ctx.world_size))]
+    want = [
+        t[ctx.rank]
+        for t in (
+            torch.tensor_split(torch.softmax(full, 0), ctx.world_size),
+            torch.tensor_split(full / full.norm(), ctx.world_size),
+        )
+    ]
     if not torch.allclose(softmax.cpu(), want[0]) or not torch.allclose(unit.cpu(), want[1]):
-        raise RuntimeError(f"rank {ctx.rank}: sharded softmax / L2 norm differ from torch on the full vector")
-    if m.item() != full.max().item():  # softmax hides a wrong shift (it cancels out): check m itself
+        raise RuntimeError(
+            f"rank {ctx.rank}: sharded softmax / L2 norm differ from torch on the full vector"
+        )
+    if (
+        m.item() != full.max().item()
+    ):  # softmax hides a wrong shift (it cancels out): check m itself
         raise RuntimeError(f"global max {m.item()} != torch {full.max().item()}")
     if not torch.allclose(logsumexp.cpu(), torch.logsumexp(full, 0)):
-        raise RuntimeError(f"logsumexp {logsumexp.item()} != torch {torch.logsumexp(full, 0).item()}")
+        raise RuntimeError(
+            f"logsumexp {logsumexp.item()} != torch {torch.logsumexp(full, 0).item()}"
+        )
     total = softmax.sum()
     dist.all_reduce(total)
-    print0(f"logsumexp {logsumexp.item():.6f} (torch on the full vector: {torch.logsumexp(full, 0).item():.6f}); "
-           f"softmax sums to {total.item():.6f}; naive softmax has nan: {bool(torch.isnan(naive).any())} "
-           f"on rank 0")
-    print0(f"OK: softmax, log-sum-exp and L2 normalisation of a {args.size}-element vector sharded over "
-           f"{ctx.world_size} ranks (MAX then SUM all_reduce) match torch on the unsharded vector")
+    print0(
+        f"logsumexp {logsumexp.item():.6f} (torch on the full vector: {torch.logsumexp(full, 0).item():.6f}); "
+        f"softmax sums to {total.item():.6f}; naive softmax has nan: {bool(torch.isnan(naive).any())} "
+        f"on rank 0"
+    )
+    print0(
+        f"OK: softmax, log-sum-exp and L2 normalisation of a {args.size}-element vector sharded over "
+        f"{ctx.world_size} ranks (MAX then SUM all_reduce) match torch on the unsharded vector"
+    )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument("--size", type=int, default=10, help="length of the whole vector")
     parser.add_argument("--scale", type=float, default=1.0, help="spread of the logits")
-    parser.add_argument("--offset", type=float, default=1000.0, help="added to every logit (exp(1000) overflows)")
+    parser.add_argument(
+        "--offset", type=float, default=1000.0, help="added to every logit (exp(1000) overflows)"
+    )
     run(main, parser.parse_args())

@@ -14,6 +14,7 @@ The placements themselves: dtensor_basics.py.
 Docs: https://pytorch.org/docs/stable/distributed.tensor.html#torch.distributed.tensor.DTensor.redistribute
       https://pytorch.org/docs/stable/distributed.tensor.html#debugging (CommDebugMode)
 """
+
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -23,48 +24,74 @@ from launch.dist_setup import lesson_parser, print0, print_in_order, run, test_f
 
 def main(args, ctx):
     rank, world = ctx.rank, ctx.world_size
-    ctx.require(args.rows >= 1 and args.cols >= 1, f"--rows and --cols must be at least 1: {args.rows}, {args.cols}")
-    ctx.require((100 * args.rows + args.cols) * world * (world + 1) < 2 ** 24, "--rows too large for the exact "
-                "float32 checks (the Partial's sum must stay below 2**24): try --rows 1000")
-    full = 100 * torch.arange(args.rows, device=ctx.device)[:, None] + torch.arange(args.cols, device=ctx.device)
+    ctx.require(
+        args.rows >= 1 and args.cols >= 1,
+        f"--rows and --cols must be at least 1: {args.rows}, {args.cols}",
+    )
+    ctx.require(
+        (100 * args.rows + args.cols) * world * (world + 1) < 2**24,
+        "--rows too large for the exact "
+        "float32 checks (the Partial's sum must stay below 2**24): try --rows 1000",
+    )
+    full = 100 * torch.arange(args.rows, device=ctx.device)[:, None] + torch.arange(
+        args.cols, device=ctx.device
+    )
     full = full.float()  # 100 * row + column: each value says where it sits
     mesh = init_device_mesh(ctx.device.type, (world,))
 
     s0, s1, rep = (distribute_tensor(full, mesh, [p]) for p in (Shard(0), Shard(1), Replicate()))
-    part = DTensor.from_local(full * (rank + 1), mesh, [Partial()])  # rank r holds (r + 1) x full: value is the sum
+    part = DTensor.from_local(
+        full * (rank + 1), mesh, [Partial()]
+    )  # rank r holds (r + 1) x full: value is the sum
 
     def move(src, dst):
         if args.relabel:  # the bug: a new label on the same local data, nothing moved
-            return DTensor.from_local(src.to_local(), mesh, [dst], shape=src.shape, stride=src.stride())
+            return DTensor.from_local(
+                src.to_local(), mesh, [dst], shape=src.shape, stride=src.stride()
+            )
         return src.redistribute(mesh, [dst])
 
-    moves = {"distribute_tensor -> Shard(0)": lambda: distribute_tensor(full, mesh, [Shard(0)]),
-             "distribute_tensor -> Replicate": lambda: distribute_tensor(full, mesh, [Replicate()]),
-             "Shard(0) -> Replicate": lambda: move(s0, Replicate()),
-             "Partial -> Replicate": lambda: move(part, Replicate()),
-             "Partial -> Shard(0)": lambda: move(part, Shard(0)),
-             "Shard(0) -> Shard(1)": lambda: move(s0, Shard(1)),
-             "Shard(1) -> Shard(0)": lambda: move(s1, Shard(0)),
-             "Replicate -> Shard(0)": lambda: move(rep, Shard(0)),
-             "Replicate -> Partial": lambda: move(rep, Partial()),
-             "Shard(0).full_tensor()": lambda: s0.full_tensor(),
-             "Partial.full_tensor()": lambda: part.full_tensor()}
+    moves = {
+        "distribute_tensor -> Shard(0)": lambda: distribute_tensor(full, mesh, [Shard(0)]),
+        "distribute_tensor -> Replicate": lambda: distribute_tensor(full, mesh, [Replicate()]),
+        "Shard(0) -> Replicate": lambda: move(s0, Replicate()),
+        "Partial -> Replicate": lambda: move(part, Replicate()),
+        "Partial -> Shard(0)": lambda: move(part, Shard(0)),
+        "Shard(0) -> Shard(1)": lambda: move(s0, Shard(1)),
+        "Shard(1) -> Shard(0)": lambda: move(s1, Shard(0)),
+        "Replicate -> Shard(0)": lambda: move(rep, Shard(0)),
+        "Replicate -> Partial": lambda: move(rep, Partial()),
+        "Shard(0).full_tensor()": lambda: s0.full_tensor(),
+        "Partial.full_tensor()": lambda: part.full_tensor(),
+    }
     results = {}
     for name, call in moves.items():
         with CommDebugMode() as comms:  # counts every collective the call makes on this rank
             try:
                 out = call()
-            except RuntimeError as error:  # DTensor refuses some pairs: keep the reason for the table
+            except (
+                RuntimeError
+            ) as error:  # DTensor refuses some pairs: keep the reason for the table
                 out = error
         results[name] = (out, comms.get_comm_counts())
 
-    value = {"Partial": full * world * (world + 1) / 2}  # what the Partial stands for; every other source: full
+    value = {
+        "Partial": full * world * (world + 1) / 2
+    }  # what the Partial stands for; every other source: full
     print_table(results)
-    print_in_order("my pieces: " + ", ".join(f"{tuple(out.to_local().shape)}" for out, _ in results.values()
-                                               if isinstance(out, DTensor)))
+    print_in_order(
+        "my pieces: "
+        + ", ".join(
+            f"{tuple(out.to_local().shape)}"
+            for out, _ in results.values()
+            if isinstance(out, DTensor)
+        )
+    )
     check_results(ctx, results, full, value)
-    print0(f"OK: {len(results)} moves over {world} rank(s) ({args.rows} x {args.cols}): each collective counted, "
-           "each result equal to the plain tensor's piece")
+    print0(
+        f"OK: {len(results)} moves over {world} rank(s) ({args.rows} x {args.cols}): each collective counted, "
+        "each result equal to the plain tensor's piece"
+    )
 
 
 def collective_names(counts):
@@ -75,8 +102,13 @@ def collective_names(counts):
 def print_table(results):
     print0(f"{'move':<32} {'collectives on each rank':<36} result")
     for name, (out, counts) in results.items():
-        got = (f"refused: {str(out).splitlines()[0]}" if isinstance(out, Exception) else
-               f"{out.placements[0]}" if isinstance(out, DTensor) else "a plain tensor")
+        got = (
+            f"refused: {str(out).splitlines()[0]}"
+            if isinstance(out, Exception)
+            else f"{out.placements[0]}"
+            if isinstance(out, DTensor)
+            else "a plain tensor"
+        )
         print0(f"{name:<32} {collective_names(counts):<36} {got}")
 
 
@@ -93,26 +125,39 @@ def check_results(ctx, results, full, value):
     for name, (out, _) in results.items():
         src = name.split(" ")[0].split(".")[0]
         want = value.get(src, full)
-        if name == "Replicate -> Partial":  # redistributing to Partial is for DTensor's internal use only
+        if (
+            name == "Replicate -> Partial"
+        ):  # redistributing to Partial is for DTensor's internal use only
             if not isinstance(out, RuntimeError):
                 raise RuntimeError(f"{name}: expected DTensor to refuse it, got {out}")
             continue
-        if not isinstance(out, DTensor):  # full_tensor: a plain tensor, the whole value on every rank
+        if not isinstance(
+            out, DTensor
+        ):  # full_tensor: a plain tensor, the whole value on every rank
             mine, whole = out, out
         else:  # the local piece first: checked on every rank before a collective on the wrong shapes
             mine = out.to_local()
             if not torch.equal(mine, piece(want, out.placements[0], ctx.rank, ctx.world_size)):
-                raise RuntimeError(f"rank {ctx.rank}: {name}: my piece {tuple(mine.shape)} is not my "
-                                   f"{out.placements[0]} piece of the plain tensor")
+                raise RuntimeError(
+                    f"rank {ctx.rank}: {name}: my piece {tuple(mine.shape)} is not my "
+                    f"{out.placements[0]} piece of the plain tensor"
+                )
             whole = out.full_tensor()
         if not torch.equal(whole, want):  # exact: integers below 2**24 add exactly in float32
-            raise RuntimeError(f"rank {ctx.rank}: {name}: the whole tensor differs from plain torch")
+            raise RuntimeError(
+                f"rank {ctx.rank}: {name}: the whole tensor differs from plain torch"
+            )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--rows", type=int, default=10, help="rows of the tensor (10: uneven at 3 and 4 ranks)")
+    parser.add_argument(
+        "--rows", type=int, default=10, help="rows of the tensor (10: uneven at 3 and 4 ranks)"
+    )
     parser.add_argument("--cols", type=int, default=6, help="columns of the tensor")
-    test_flags(parser).add_argument("--relabel", action="store_true",
-                                    help="DTensor.from_local(src.to_local(), [dst]) instead of redistribute")
+    test_flags(parser).add_argument(
+        "--relabel",
+        action="store_true",
+        help="DTensor.from_local(src.to_local(), [dst]) instead of redistribute",
+    )
     run(main, parser.parse_args())

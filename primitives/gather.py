@@ -9,21 +9,27 @@ one per rank, all of the same shape); the other ranks pass None.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.gather
 """
+
 import torch
 import torch.distributed as dist
 from launch.dist_setup import lesson_parser, print0, print_in_order, run
 
 
 def main(args, ctx):
-    ctx.require(0 <= args.dst < ctx.world_size, f"--dst {args.dst} is not a rank of a {ctx.world_size}-rank world")
+    ctx.require(
+        0 <= args.dst < ctx.world_size,
+        f"--dst {args.dst} is not a rank of a {ctx.world_size}-rank world",
+    )
     rank, world, n, dst = ctx.rank, ctx.world_size, args.size, args.dst
 
     t = 100 * rank + torch.arange(n, device=ctx.device)
     print_in_order(f"before: {t.tolist()}")
     gather_list = [torch.empty_like(t) for _ in range(world)] if rank == dst else None
     dist.gather(t, gather_list, dst=dst)
-    print_in_order(f"after gather to rank {dst}: "
-                   + (str([g.tolist() for g in gather_list]) if rank == dst else "nothing (not dst)"))
+    print_in_order(
+        f"after gather to rank {dst}: "
+        + (str([g.tolist() for g in gather_list]) if rank == dst else "nothing (not dst)")
+    )
 
     if rank == dst:  # independent check: every rank's starting tensor, rebuilt here
         expected = torch.stack([100 * r + torch.arange(n, device="cpu") for r in range(world)])

@@ -16,6 +16,7 @@ the GIL, so threads help there; the Python around the kernels is what does not s
 
 Docs: https://pytorch.org/docs/stable/notes/cuda.html#use-nn-parallel-distributeddataparallel-instead-of-multiprocessing-or-nn-dataparallel
 """
+
 import os
 import sys
 import threading
@@ -40,15 +41,19 @@ def expected(n):  # the same sum by a formula: i*i % 7 repeats with period 7
 
 
 def main(args, ctx):
-    ctx.require(ctx.world_size >= 2,
-                "needs at least 2 ranks (the processes to compare): run with --nproc_per_node=2 or more")
+    ctx.require(
+        ctx.world_size >= 2,
+        "needs at least 2 ranks (the processes to compare): run with --nproc_per_node=2 or more",
+    )
     ctx.require(args.work >= 1, "--work must be at least 1")
     rank, n, work = ctx.rank, ctx.world_size, args.work
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
     def check(result):
         if result != expected(work):
-            raise RuntimeError(f"rank {rank}: a unit of work returned {result}, expected {expected(work)}")
+            raise RuntimeError(
+                f"rank {rank}: a unit of work returned {result}, expected {expected(work)}"
+            )
 
     # 1 and 2: on rank 0 alone; the other ranks wait at the barrier (blocked, not using a core).
     serial = threads_time = 0.0
@@ -59,8 +64,10 @@ def main(args, ctx):
         serial = time.perf_counter() - start
 
         results = [None] * n
+
         def unit(i):
             results[i] = python_work(work)
+
         pool = [threading.Thread(target=unit, args=(i,)) for i in range(n)]
         start = time.perf_counter()
         for t in pool:
@@ -83,18 +90,32 @@ def main(args, ctx):
 
     if rank != 0:  # only rank 0 ran the serial and threaded versions
         return
-    gil = sys._is_gil_enabled() if hasattr(sys, "_is_gil_enabled") else True  # False on free-threaded 3.13t+
+    gil = (
+        sys._is_gil_enabled() if hasattr(sys, "_is_gil_enabled") else True
+    )  # False on free-threaded 3.13t+
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"{n} units of {work} loop iterations; {cores} core(s) here, load average {load:.1f} "
-          f"(other jobs take cores from the processes); GIL {'on' if gil else 'off'}")
+    print(
+        f"{n} units of {work} loop iterations; {cores} core(s) here, load average {load:.1f} "
+        f"(other jobs take cores from the processes); GIL {'on' if gil else 'off'}"
+    )
     print(f"  {'serial, 1 thread:':<24}{serial:7.3f}s")
-    print(f"  {f'{n} threads, 1 process:':<24}{threads_time:7.3f}s  speed-up {serial / threads_time:.2f}x")
-    print(f"  {f'{n} processes:':<24}{processes:7.3f}s  speed-up {serial / processes:.2f}x "
-          f"(at most min(ranks, cores) = {min(n, cores)}x)")
-    print(f"OK: every unit's result matched the formula; {n} threads ran {serial / threads_time:.2f}x "
-          f"and {n} processes {serial / processes:.2f}x as fast as serial ({cores} cores)", flush=True)
+    print(
+        f"  {f'{n} threads, 1 process:':<24}{threads_time:7.3f}s  speed-up {serial / threads_time:.2f}x"
+    )
+    print(
+        f"  {f'{n} processes:':<24}{processes:7.3f}s  speed-up {serial / processes:.2f}x "
+        f"(at most min(ranks, cores) = {min(n, cores)}x)"
+    )
+    print(
+        f"OK: every unit's result matched the formula; {n} threads ran {serial / threads_time:.2f}x "
+        f"and {n} processes {serial / processes:.2f}x as fast as serial ({cores} cores)",
+        flush=True,
+    )
+
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__, min_ranks=2)
-    parser.add_argument("--work", type=int, default=2_000_000, help="loop iterations per unit of work")
+    parser.add_argument(
+        "--work", type=int, default=2_000_000, help="loop iterations per unit of work"
+    )
     run(main, parser.parse_args())

@@ -17,6 +17,7 @@ Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_gat
       https://docs.pytorch.org/docs/main/distributed.functional_collectives.html
       https://pytorch.org/docs/stable/notes/extending.html#extending-torch-autograd
 """
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -52,40 +53,63 @@ class AllGatherWithGrad(torch.autograd.Function):
 
 def main(args, ctx):
     rank, world, B = ctx.rank, ctx.world_size, args.batch
-    ctx.require(min(B, args.dim_in, args.dim_out) >= 1, "--batch, --dim-in, --dim-out must be at least 1")
+    ctx.require(
+        min(B, args.dim_in, args.dim_out) >= 1, "--batch, --dim-in, --dim-out must be at least 1"
+    )
 
     def plain_all_gather(z):  # the bug
         parts = [torch.empty_like(z) for _ in range(world)]
         dist.all_gather(parts, z)  # no autograd: parts are detached copies
-        return torch.cat(parts[:rank] + [z] + parts[rank + 1:])  # the usual patch: only our own slot has a graph
+        return torch.cat(
+            parts[:rank] + [z] + parts[rank + 1 :]
+        )  # the usual patch: only our own slot has a graph
 
     # all_gather_single is the torch 2.13 name; 2.12 has the same op as all_gather_tensor_autograd
-    functional_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor_autograd
-    gathers = {"plain dist.all_gather": plain_all_gather,
-               "functional all_gather_single": lambda z: functional_all_gather(z, 0, dist.group.WORLD),
-               "autograd.Function by hand": lambda z: AllGatherWithGrad.apply(z, not args.unreduced_backward)}
+    functional_all_gather = (
+        getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor_autograd
+    )
+    gathers = {
+        "plain dist.all_gather": plain_all_gather,
+        "functional all_gather_single": lambda z: functional_all_gather(z, 0, dist.group.WORLD),
+        "autograd.Function by hand": lambda z: AllGatherWithGrad.apply(
+            z, not args.unreduced_backward
+        ),
+    }
     if args.nn_functional:  # warns FutureWarning in torch 2.13 (torch/distributed/nn/functional.py)
         import torch.distributed.nn.functional as dist_nn
-        gathers["torch.distributed.nn.functional.all_gather"] = lambda z: torch.cat(dist_nn.all_gather(z))
 
-    torch.backends.cuda.matmul.fp32_precision = "ieee"  # float32 matmuls, never TF32 (the bound below assumes it)
-    torch.manual_seed(args.seed)  # the same weights on every rank, as DDP's broadcast at start would make them
+        gathers["torch.distributed.nn.functional.all_gather"] = lambda z: torch.cat(
+            dist_nn.all_gather(z)
+        )
+
+    torch.backends.cuda.matmul.fp32_precision = (
+        "ieee"  # float32 matmuls, never TF32 (the bound below assumes it)
+    )
+    torch.manual_seed(
+        args.seed
+    )  # the same weights on every rank, as DDP's broadcast at start would make them
     encoder = torch.nn.Linear(args.dim_in, args.dim_out).to(ctx.device)
     a_all, b_all = global_batch(args, world)
-    a, b = (t[rank * B:(rank + 1) * B].to(ctx.device) for t in (a_all, b_all))
-    labels = rank * B + torch.arange(B, device=ctx.device)  # a_i's partner is b_i, at its global row
+    a, b = (t[rank * B : (rank + 1) * B].to(ctx.device) for t in (a_all, b_all))
+    labels = rank * B + torch.arange(
+        B, device=ctx.device
+    )  # a_i's partner is b_i, at its global row
 
     grads = {}
     for name, gather in gathers.items():
         encoder.zero_grad()
         za, zb = (F.normalize(encoder(t), dim=1) for t in (a, b))
         zb_all = gather(zb)  # (world * B, dim_out): every rank's b-embeddings, in rank order
-        loss = F.cross_entropy(za @ zb_all.T / args.temperature, labels)  # mean over this rank's rows
+        loss = F.cross_entropy(
+            za @ zb_all.T / args.temperature, labels
+        )  # mean over this rank's rows
         loss.backward()
         g = torch.cat([p.grad.flatten() for p in encoder.parameters()])
         dist.all_reduce(g)  # what DDP does: sum the ranks' gradients, divide by the world size
         grads[name] = g / world
-    print_in_order(f"rows {rank * B}..{(rank + 1) * B - 1} of {world * B}, local loss {loss.item():.4f}")
+    print_in_order(
+        f"rows {rank * B}..{(rank + 1) * B - 1} of {world * B}, local loss {loss.item():.4f}"
+    )
     check_gradients(args, ctx, grads, loss.detach())  # the loss: the same forward whichever gather
 
 
@@ -102,10 +126,14 @@ def single_process_gradient(args, world):
     gradient plus (the gather's backward) every other L_s's gradient through rank r's embeddings, so
     sum_r g_r = d(sum_r L_r)/dtheta = world * dL/dtheta: the DDP average of the g_r is dL/dtheta."""
     torch.manual_seed(args.seed)
-    encoder = torch.nn.Linear(args.dim_in, args.dim_out, device="cpu").double()  # the ranks' initial weights
+    encoder = torch.nn.Linear(
+        args.dim_in, args.dim_out, device="cpu"
+    ).double()  # the ranks' initial weights
     a, b = (t.double() for t in global_batch(args, world))
     za, zb = F.normalize(encoder(a), dim=1), F.normalize(encoder(b), dim=1)
-    loss = F.cross_entropy(za @ zb.T / args.temperature, torch.arange(world * args.batch, device="cpu"))
+    loss = F.cross_entropy(
+        za @ zb.T / args.temperature, torch.arange(world * args.batch, device="cpu")
+    )
     loss.backward()
     return loss.detach(), torch.cat([p.grad.flatten() for p in encoder.parameters()])
 
@@ -116,36 +144,60 @@ def check_gradients(args, ctx, grads, loss):
     # sum of n terms errs by at most about n*eps of the sum of their sizes (Higham, Accuracy and Stability of
     # Numerical Algorithms, 2nd ed., 4.2); the longest sums have n = world*B (softmax over the global batch) or
     # dim_in (encoder), and a few are chained (encoder, normalise, similarity, softmax, then back): 8 * n * eps.
-    bound = 8 * (ctx.world_size * args.batch + args.dim_in) * 2.0 ** -23
+    bound = 8 * (ctx.world_size * args.batch + args.dim_in) * 2.0**-23
     dist.all_reduce(loss)
     if abs(loss.item() / ctx.world_size - ref_loss.item()) > bound * ref_loss.item():
-        raise RuntimeError(f"mean of the ranks' losses {loss.item() / ctx.world_size} != {ref_loss.item()}")
+        raise RuntimeError(
+            f"mean of the ranks' losses {loss.item() / ctx.world_size} != {ref_loss.item()}"
+        )
     for name, g in grads.items():
         err = ((g.cpu().double() - ref).abs().max() / ref.abs().max()).item()
-        if name == "plain dist.all_gather":  # a demonstration: wrong as soon as another rank uses our rows
-            why = "nothing crosses ranks at 1 rank" if ctx.world_size == 1 else "the other ranks' terms are missing"
+        if (
+            name == "plain dist.all_gather"
+        ):  # a demonstration: wrong as soon as another rank uses our rows
+            why = (
+                "nothing crosses ranks at 1 rank"
+                if ctx.world_size == 1
+                else "the other ranks' terms are missing"
+            )
             print0(f"with {name}: max gradient error {err:.2e} (expected: {why})")
             if (err > bound) != (ctx.world_size > 1):
-                raise RuntimeError(f"{name}: error {err:.2e}, bound {bound:.1e}: the demonstration did not show it")
+                raise RuntimeError(
+                    f"{name}: error {err:.2e}, bound {bound:.1e}: the demonstration did not show it"
+                )
             continue
         print0(f"with {name}: max gradient error {err:.2e} (bound {bound:.1e})")
         if err > bound:
-            raise RuntimeError(f"rank {ctx.rank}: {name}: max gradient error {err:.2e} > bound {bound:.1e} "
-                               f"against the single-process gradient")
-    print0(f"OK: a global-batch contrastive loss over {ctx.world_size} rank(s) gets the single-process gradient "
-           f"through a differentiable all_gather ({len(grads) - 1} ways); plain dist.all_gather "
-           f"{'does too at 1 rank' if ctx.world_size == 1 else 'does not'}")
+            raise RuntimeError(
+                f"rank {ctx.rank}: {name}: max gradient error {err:.2e} > bound {bound:.1e} "
+                f"against the single-process gradient"
+            )
+    print0(
+        f"OK: a global-batch contrastive loss over {ctx.world_size} rank(s) gets the single-process gradient "
+        f"through a differentiable all_gather ({len(grads) - 1} ways); plain dist.all_gather "
+        f"{'does too at 1 rank' if ctx.world_size == 1 else 'does not'}"
+    )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--batch", type=int, default=8, help="pairs per rank (global batch: world size x this)")
+    parser.add_argument(
+        "--batch", type=int, default=8, help="pairs per rank (global batch: world size x this)"
+    )
     parser.add_argument("--dim-in", type=int, default=16, help="input features")
     parser.add_argument("--dim-out", type=int, default=8, help="embedding size")
-    parser.add_argument("--temperature", type=float, default=0.1, help="divides the cosine similarities")
+    parser.add_argument(
+        "--temperature", type=float, default=0.1, help="divides the cosine similarities"
+    )
     parser.add_argument("--seed", type=int, default=0, help="weights and data")
-    parser.add_argument("--nn-functional", action="store_true",
-                        help="also use torch.distributed.nn.functional.all_gather (FutureWarning in torch 2.13)")
-    test_flags(parser).add_argument("--unreduced-backward", action="store_true",
-                                    help="the hand-written backward returns its slice without the all_reduce")
+    parser.add_argument(
+        "--nn-functional",
+        action="store_true",
+        help="also use torch.distributed.nn.functional.all_gather (FutureWarning in torch 2.13)",
+    )
+    test_flags(parser).add_argument(
+        "--unreduced-backward",
+        action="store_true",
+        help="the hand-written backward returns its slice without the all_reduce",
+    )
     run(main, parser.parse_args())

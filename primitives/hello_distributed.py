@@ -9,6 +9,7 @@ run, and destroy_process_group on every path.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#initialization
 """
+
 import argparse
 import datetime
 import os
@@ -24,7 +25,9 @@ NAME_BYTES = 128  # collectives move tensors of one size: strings travel padded 
 
 def encode(text, device):
     data = text.encode()[:NAME_BYTES]
-    return torch.tensor(list(data) + [0] * (NAME_BYTES - len(data)), dtype=torch.uint8, device=device)
+    return torch.tensor(
+        list(data) + [0] * (NAME_BYTES - len(data)), dtype=torch.uint8, device=device
+    )
 
 
 def decode(tensor):
@@ -41,8 +44,10 @@ def worker(args):
     has_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size
     backend = args.backend or ("nccl" if has_gpus else "gloo")
     if backend == "nccl" and not has_gpus:
-        sys.exit(f"[rank {rank}] error: NCCL needs one CUDA GPU per rank ({local_world_size} ranks here, "
-                 f"{torch.cuda.device_count()} GPU(s)): use --backend gloo")
+        sys.exit(
+            f"[rank {rank}] error: NCCL needs one CUDA GPU per rank ({local_world_size} ranks here, "
+            f"{torch.cuda.device_count()} GPU(s)): use --backend gloo"
+        )
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -51,19 +56,33 @@ def worker(args):
 
     # 3. Join the group: init_method "env://" reads MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE.
     #    The timeout bounds every collective, so a missing peer is an error, not a hang.
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout),
-                            device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(
+        backend,
+        timeout=datetime.timedelta(seconds=args.timeout),
+        device_id=device if device.type == "cuda" else None,
+    )
     try:
-        assert dist.is_initialized() and dist.get_rank() == rank and dist.get_world_size() == world_size
+        assert (
+            dist.is_initialized()
+            and dist.get_rank() == rank
+            and dist.get_world_size() == world_size
+        )
         if rank == 0:
-            print(f"backend={dist.get_backend()} world_size={world_size} "
-                  f"torchrun={dist.is_torchelastic_launched()} "
-                  f"master={os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
-        me = f"rank {rank}/{world_size} local_rank {local_rank} host {socket.gethostname()} " \
-             f"pid {os.getpid()} device {device}"
+            print(
+                f"backend={dist.get_backend()} world_size={world_size} "
+                f"torchrun={dist.is_torchelastic_launched()} "
+                f"master={os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+                flush=True,
+            )
+        me = (
+            f"rank {rank}/{world_size} local_rank {local_rank} host {socket.gethostname()} "
+            f"pid {os.getpid()} device {device}"
+        )
 
         # 4. Gather every description with a tensor collective: strings as fixed-size byte tensors.
-        gathered = [torch.empty(NAME_BYTES, dtype=torch.uint8, device=device) for _ in range(world_size)]
+        gathered = [
+            torch.empty(NAME_BYTES, dtype=torch.uint8, device=device) for _ in range(world_size)
+        ]
         dist.all_gather(gathered, encode(me, device))
         by_tensor = [decode(t) for t in gathered]
 
@@ -71,7 +90,9 @@ def worker(args):
         by_object = [None] * world_size
         dist.all_gather_object(by_object, me)
         if by_tensor != by_object:
-            raise RuntimeError(f"all_gather and all_gather_object disagree: {by_tensor} vs {by_object}")
+            raise RuntimeError(
+                f"all_gather and all_gather_object disagree: {by_tensor} vs {by_object}"
+            )
         if rank == 0:
             print("\n".join(by_tensor), flush=True)
 
@@ -82,22 +103,37 @@ def worker(args):
         if total.item() != expected:
             raise RuntimeError(f"rank {rank}: all_reduce gave {total.item()}, expected {expected}")
         if rank == 0:
-            print(f"OK: {world_size} rank(s) said hello; all_reduce of ranks = {expected} = n(n-1)/2", flush=True)
+            print(
+                f"OK: {world_size} rank(s) said hello; all_reduce of ranks = {expected} = n(n-1)/2",
+                flush=True,
+            )
     finally:
         dist.destroy_process_group()
 
 
 def spawned(local_rank, args, nproc, port):
     # What torchrun would have set, for a single machine.
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
-                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     worker(args)
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun")
-    parser.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl with a GPU per rank, else gloo")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--nproc", type=int, default=2, help="ranks to spawn when not under torchrun"
+    )
+    parser.add_argument(
+        "--backend", choices=["gloo", "nccl"], help="default: nccl with a GPU per rank, else gloo"
+    )
     parser.add_argument("--timeout", type=float, default=60, help="seconds a collective may wait")
     args = parser.parse_args()
     if "RANK" in os.environ:  # started by torchrun: this process is one rank

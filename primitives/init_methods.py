@@ -13,6 +13,7 @@ through which the ranks find each other, then the backend connects them.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#initialization
 """
+
 import datetime
 import os
 import tempfile
@@ -47,14 +48,27 @@ def init(method, args, ctx):
         # mere client of it; that store still holds the keys of the env:// group above, and a second
         # group formed there would read them. So: a fresh store, served by rank 0, on the next port.
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
-        dist.init_process_group(init_method=f"tcp://{host}:{args.port or port + 1}", rank=ctx.rank,
-                                world_size=ctx.world_size, **common)
+        dist.init_process_group(
+            init_method=f"tcp://{host}:{args.port or port + 1}",
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            **common,
+        )
     elif method == "file":
-        dist.init_process_group(init_method=f"file://{file_path(args)}", rank=ctx.rank,
-                                world_size=ctx.world_size, **common)
+        dist.init_process_group(
+            init_method=f"file://{file_path(args)}",
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            **common,
+        )
     elif method == "store":  # our own store object: we can also use it for our own keys
-        store = dist.TCPStore(host, (args.port or port + 1) + 1, ctx.world_size, is_master=ctx.rank == 0,
-                              timeout=timeout)
+        store = dist.TCPStore(
+            host,
+            (args.port or port + 1) + 1,
+            ctx.world_size,
+            is_master=ctx.rank == 0,
+            timeout=timeout,
+        )
         dist.init_process_group(store=store, rank=ctx.rank, world_size=ctx.world_size, **common)
     return f"{method}:// " if method != "store" else "store=TCPStore "
 
@@ -84,15 +98,19 @@ def main(args, ctx):
     # (distributed.html#reinitialization), so each group is destroyed after a barrier and the next uses a fresh store.
     methods = METHODS if args.init_method == "all" else [args.init_method]
     folder = os.path.dirname(os.path.abspath(args.file or tempfile.gettempdir() + "/x"))
-    ctx.require(os.path.isdir(folder) and os.access(folder, os.W_OK),
-                f"--file {args.file}: {folder} is not a writable directory")
+    ctx.require(
+        os.path.isdir(folder) and os.access(folder, os.W_OK),
+        f"--file {args.file}: {folder} is not a writable directory",
+    )
     expected = (ctx.world_size * (ctx.world_size - 1) // 2, [r * r for r in range(ctx.world_size)])
     for method in methods:
         how = init(method, args, ctx)
         try:
             result = small_job(ctx.rank, ctx.world_size, ctx.device)
-            print_in_order(f"{how:16} rank {dist.get_rank()}/{dist.get_world_size()} "
-                           f"sum of ranks {result[0]}, squares {result[1]}")
+            print_in_order(
+                f"{how:16} rank {dist.get_rank()}/{dist.get_world_size()} "
+                f"sum of ranks {result[0]}, squares {result[1]}"
+            )
             if result != expected:
                 raise RuntimeError(f"{method}: got {result}, expected {expected}")
             dist.barrier()  # nobody tears its group down while others still use it
@@ -100,13 +118,19 @@ def main(args, ctx):
                 remove_store_file(args, ctx.rank)
         finally:
             dist.destroy_process_group()
-    print0(f"OK: init by {', '.join(methods)} gave the same result: "
-           f"sum {expected[0]}, squares {expected[1]}")
+    print0(
+        f"OK: init by {', '.join(methods)} gave the same result: "
+        f"sum {expected[0]}, squares {expected[1]}"
+    )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument("--init-method", choices=METHODS + ["all"], default="all")
-    parser.add_argument("--port", type=int, help="port for tcp:// (default MASTER_PORT + 1); store= uses the next one")
+    parser.add_argument(
+        "--port",
+        type=int,
+        help="port for tcp:// (default MASTER_PORT + 1); store= uses the next one",
+    )
     parser.add_argument("--file", help="path for file:// (default: a fresh name in the temp dir)")
     run(main, parser.parse_args(), init_process_group=False)

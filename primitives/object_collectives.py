@@ -15,6 +15,7 @@ collectives: measured below against all_gather of the same numbers as a tensor.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_gather_object
 """
+
 import time
 
 import torch
@@ -47,16 +48,22 @@ def main(args, ctx):
         raise RuntimeError(f"gather_object gave {at_zero}")
 
     mine = [None]
-    tasks = [f"task for rank {r}: shard {r} of {world}" for r in range(world)] if rank == 0 else None
+    tasks = (
+        [f"task for rank {r}: shard {r} of {world}" for r in range(world)] if rank == 0 else None
+    )
     dist.scatter_object_list(mine, tasks, src=0)
     if mine[0] != f"task for rank {rank}: shard {rank} of {world}":
         raise RuntimeError(f"scatter_object_list gave {mine[0]!r}")
 
-    print_in_order(f"broadcast {config[0]}\nall_gather_object {everyone}\n"
-                   f"gather_object {at_zero if rank == 0 else '(not dst)'}\nscatter_object_list {mine[0]!r}")
+    print_in_order(
+        f"broadcast {config[0]}\nall_gather_object {everyone}\n"
+        f"gather_object {at_zero if rank == 0 else '(not dst)'}\nscatter_object_list {mine[0]!r}"
+    )
 
     # Cost: the same numbers as a Python list through all_gather_object, and as a tensor.
-    all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # pre-2.13 name
+    all_gather_single = (
+        getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    )  # pre-2.13 name
     numbers = [float(100 * rank + i) for i in range(args.numbers)]
     as_tensor = torch.tensor(numbers, device=ctx.device)
 
@@ -87,11 +94,15 @@ def main(args, ctx):
             raise RuntimeError(f"{name} gathered the wrong numbers")
         times[name] = best
     slower = times["all_gather_object"] / times["all_gather (tensor)"]
-    print0(f"{args.numbers} floats per rank, best of {args.repeat}: "
-           + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in times.items())
-           + f"; the object version took {slower:.1f}x the time")
-    print0(f"OK: broadcast_object_list, all_gather_object, gather_object and scatter_object_list moved "
-           f"Python objects among {world} ranks; the object all_gather took {slower:.1f}x the tensor one")
+    print0(
+        f"{args.numbers} floats per rank, best of {args.repeat}: "
+        + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in times.items())
+        + f"; the object version took {slower:.1f}x the time"
+    )
+    print0(
+        f"OK: broadcast_object_list, all_gather_object, gather_object and scatter_object_list moved "
+        f"Python objects among {world} ranks; the object all_gather took {slower:.1f}x the tensor one"
+    )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ NCCL does not, its recvAnysource is under "Unsupported Ops" in ProcessGroupNCCL.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#point-to-point-communication
 """
+
 import torch
 import torch.distributed as dist
 from launch.dist_setup import lesson_parser, print0, print_in_order, run
@@ -56,8 +57,10 @@ def main(args, ctx):
         if rank == 0:
             # isend: a send that returns at once with a Work to wait() on (async_point_to_point.py); here
             # so that rank 0 does not block on the first message while rank 1 asks for the second.
-            works = [dist.isend(torch.full((n,), 1.0, device=ctx.device), dst=1, tag=1),
-                     dist.isend(torch.full((n,), 2.0, device=ctx.device), dst=1, tag=2)]
+            works = [
+                dist.isend(torch.full((n,), 1.0, device=ctx.device), dst=1, tag=1),
+                dist.isend(torch.full((n,), 2.0, device=ctx.device), dst=1, tag=2),
+            ]
             for w in works:
                 w.wait()
         elif rank == 1:
@@ -66,13 +69,19 @@ def main(args, ctx):
             dist.recv(first, src=0, tag=1)
             if first[0].item() != 1.0 or second[0].item() != 2.0:
                 raise RuntimeError(f"tags did not match messages: tag1={first[0]} tag2={second[0]}")
-            print(f"[rank 1] tag 2 received first: {second[0].item():g}, then tag 1: {first[0].item():g}",
-                  flush=True)
+            print(
+                f"[rank 1] tag 2 received first: {second[0].item():g}, then tag 1: {first[0].item():g}",
+                flush=True,
+            )
     else:
-        print0(f"tags: skipped on {ctx.backend} (it ignores tags; order of sends is the order of recvs)")
+        print0(
+            f"tags: skipped on {ctx.backend} (it ignores tags; order of sends is the order of recvs)"
+        )
 
     # 3. recv with no src: take messages in whatever order they come; recv returns the sender.
-    if ctx.backend == "gloo":  # and MPI (not a backend the lessons run); NCCL has no recv from any source
+    if (
+        ctx.backend == "gloo"
+    ):  # and MPI (not a backend the lessons run); NCCL has no recv from any source
         if rank == 0:
             senders = []
             for _ in range(world - 1):
@@ -82,16 +91,25 @@ def main(args, ctx):
                     raise RuntimeError(f"message {buf.item()} does not come from rank {sender}")
                 senders.append(sender)
             if sorted(senders) != list(range(1, world)):
-                raise RuntimeError(f"expected one message from each other rank, got senders {senders}")
-            print(f"[rank 0] recv with no src got messages from ranks in this order: {senders}", flush=True)
+                raise RuntimeError(
+                    f"expected one message from each other rank, got senders {senders}"
+                )
+            print(
+                f"[rank 0] recv with no src got messages from ranks in this order: {senders}",
+                flush=True,
+            )
         else:
             dist.send(torch.tensor([100.0 * rank], device=ctx.device), dst=0)
     else:
-        print0(f"recv from any source: skipped on {ctx.backend} (Gloo and MPI have it, NCCL does not)")
+        print0(
+            f"recv from any source: skipped on {ctx.backend} (Gloo and MPI have it, NCCL does not)"
+        )
 
     dist.barrier()
-    print0(f"OK: send/recv chain through {world} stages matches plain torch; tags matched; "
-           "recv from any source returned each sender")
+    print0(
+        f"OK: send/recv chain through {world} stages matches plain torch; tags matched; "
+        "recv from any source returned each sender"
+    )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@
 
 Docs: https://pytorch.org/docs/stable/distributed.html#groups
 """
+
 import warnings
 
 import torch
@@ -40,10 +41,14 @@ def main(args, ctx):
     expected = sum(100 * r + torch.arange(n, dtype=torch.float32, device="cpu") for r in members)
     if not torch.equal(t.cpu(), expected):
         raise RuntimeError(f"sum over {members} gave {t.tolist()}, expected {expected.tolist()}")
-    where = [(dist.get_group_rank(group, g), dist.get_global_rank(group, dist.get_group_rank(group, g)))
-             for g in members]
-    print_in_order(f"in half {mine} {members} as group rank {dist.get_rank(group)}: sum {t.tolist()}; "
-                   f"(group rank, global rank) of the members {where}")
+    where = [
+        (dist.get_group_rank(group, g), dist.get_global_rank(group, dist.get_group_rank(group, g)))
+        for g in members
+    ]
+    print_in_order(
+        f"in half {mine} {members} as group rank {dist.get_rank(group)}: sum {t.tolist()}; "
+        f"(group rank, global rank) of the members {where}"
+    )
 
     # Share both halves' results with everyone: one slot per group, MAX over the world.
     slots = torch.full((2, n), float("-inf"), device=ctx.device)
@@ -52,12 +57,21 @@ def main(args, ctx):
     dist.all_reduce(by_max, op=dist.ReduceOp.MAX)
     by_sum = torch.where(slots.isinf(), torch.zeros_like(slots), slots)  # 0 instead of -inf for SUM
     dist.all_reduce(by_sum, op=dist.ReduceOp.SUM)
-    truth = torch.stack([sum(100 * r + torch.arange(n, dtype=torch.float32, device="cpu") for r in m) for m in halves])
+    truth = torch.stack(
+        [
+            sum(100 * r + torch.arange(n, dtype=torch.float32, device="cpu") for r in m)
+            for m in halves
+        ]
+    )
     sizes = torch.tensor([[len(m)] for m in halves], dtype=torch.float32, device="cpu")
     if not torch.equal(by_max.cpu(), truth) or not torch.equal(by_sum.cpu(), truth * sizes):
-        raise RuntimeError(f"MAX gave {by_max.tolist()}, SUM gave {by_sum.tolist()}, truth {truth.tolist()}")
-    print0(f"both halves' sums via MAX: {by_max.tolist()} (right); via SUM: {by_sum.tolist()} "
-           f"(each slot x its group size {sizes.flatten().int().tolist()})")
+        raise RuntimeError(
+            f"MAX gave {by_max.tolist()}, SUM gave {by_sum.tolist()}, truth {truth.tolist()}"
+        )
+    print0(
+        f"both halves' sums via MAX: {by_max.tolist()} (right); via SUM: {by_sum.tolist()} "
+        f"(each slot x its group size {sizes.flatten().int().tolist()})"
+    )
 
     # A rank outside a group: get_rank is -1 and a collective on the group is a no-op.
     other = groups[1 - mine]
@@ -65,8 +79,10 @@ def main(args, ctx):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # it warns "does not belong to the given group"
         dist.all_reduce(probe, group=other)
-    print_in_order(f"outside half {1 - mine}: get_rank(group) = {dist.get_rank(other)}; "
-                   f"all_reduce there left my {rank + 1.0} as {probe.item()}")
+    print_in_order(
+        f"outside half {1 - mine}: get_rank(group) = {dist.get_rank(other)}; "
+        f"all_reduce there left my {rank + 1.0} as {probe.item()}"
+    )
     if dist.get_rank(other) != -1 or probe.item() != rank + 1.0:
         raise RuntimeError("a non-member should see group rank -1 and an unchanged tensor")
 
@@ -78,15 +94,23 @@ def main(args, ctx):
         first = rank - rank % args.subgroup_size
         if s.item() != sum(range(first, first + args.subgroup_size)):
             raise RuntimeError(f"subgroup sum {s.item()} is wrong")
-        print_in_order(f"new_subgroups({args.subgroup_size}): my subgroup sums ranks to {s.item():g}")
+        print_in_order(
+            f"new_subgroups({args.subgroup_size}): my subgroup sums ranks to {s.item():g}"
+        )
     else:
-        print0(f"new_subgroups({args.subgroup_size}): skipped, world size {world} is not a multiple of it")
-    print0(f"OK: sums within two halves {halves} match plain torch; MAX shared them with all {world} ranks "
-           "(SUM multiplied each by its group size); group/global rank maps and non-members checked")
+        print0(
+            f"new_subgroups({args.subgroup_size}): skipped, world size {world} is not a multiple of it"
+        )
+    print0(
+        f"OK: sums within two halves {halves} match plain torch; MAX shared them with all {world} ranks "
+        "(SUM multiplied each by its group size); group/global rank maps and non-members checked"
+    )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__, min_ranks=2)
     parser.add_argument("--size", type=int, default=2, help="elements per rank")
-    parser.add_argument("--subgroup-size", type=int, default=2, help="ranks per group for new_subgroups")
+    parser.add_argument(
+        "--subgroup-size", type=int, default=2, help="ranks per group for new_subgroups"
+    )
     run(main, parser.parse_args())

@@ -10,15 +10,21 @@ Use all_reduce when every rank needs the result.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.reduce
 """
+
 import torch
 import torch.distributed as dist
 from launch.dist_setup import lesson_parser, print0, print_in_order, run
 
 
 def main(args, ctx):
-    ctx.require(0 <= args.dst < ctx.world_size, f"--dst {args.dst} is not a rank of a {ctx.world_size}-rank world")
+    ctx.require(
+        0 <= args.dst < ctx.world_size,
+        f"--dst {args.dst} is not a rank of a {ctx.world_size}-rank world",
+    )
     rank, world, n, dst = ctx.rank, ctx.world_size, args.size, args.dst
-    full = torch.stack([100 * r + torch.arange(n, device="cpu") for r in range(world)])  # every rank's data, for checks
+    full = torch.stack(
+        [100 * r + torch.arange(n, device="cpu") for r in range(world)]
+    )  # every rank's data, for checks
 
     for name, expected in [("SUM", full.sum(dim=0)), ("MAX", full.max(dim=0).values)]:
         t = 100 * rank + torch.arange(n, device=ctx.device)
@@ -27,7 +33,9 @@ def main(args, ctx):
         note = "<- the result" if rank == dst else "(undefined: do not use)"
         print_in_order(f"{name}: before {before}  after {t.tolist()} {note}")
         if rank == dst and not torch.equal(t.cpu(), expected):
-            raise RuntimeError(f"reduce {name} gave {t.tolist()}, plain torch gives {expected.tolist()}")
+            raise RuntimeError(
+                f"reduce {name} gave {t.tolist()}, plain torch gives {expected.tolist()}"
+            )
     print0(f"OK: reduce SUM and MAX over {world} ranks landed on rank {dst} and match plain torch")
 
 

@@ -15,6 +15,7 @@ sum over s of (100*s + 10*r + i).
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.reduce_scatter
       https://pytorch.org/docs/stable/distributed.html#torch.distributed.reduce_scatter_tensor
 """
+
 import torch
 import torch.distributed as dist
 from launch.dist_setup import lesson_parser, print0, print_in_order, run
@@ -22,10 +23,14 @@ from launch.dist_setup import lesson_parser, print0, print_in_order, run
 
 def main(args, ctx):
     rank, world, n = ctx.rank, ctx.world_size, args.size
-    reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    reduce_scatter_single = (
+        getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    )
     i = torch.arange(n, device="cpu")  # the full data is built on the host, for the check
     # The full data: full[s, j] is piece j on rank s. Rank r must end with full[:, r].sum(0).
-    full = torch.stack([torch.stack([100 * s + 10 * j + i for j in range(world)]) for s in range(world)])
+    full = torch.stack(
+        [torch.stack([100 * s + 10 * j + i for j in range(world)]) for s in range(world)]
+    )
     expected = full[:, rank].sum(dim=0)
 
     pieces = [(100 * rank + 10 * j + i).to(ctx.device) for j in range(world)]
@@ -41,10 +46,14 @@ def main(args, ctx):
     reduce_scatter_single(out2, torch.cat(pieces), op=dist.ReduceOp.SUM)
     print_in_order(f"reduce_scatter_single:  piece {rank} summed over ranks = {out2.tolist()}")
     if not torch.equal(out2.cpu(), expected):
-        raise RuntimeError(f"reduce_scatter_single gave {out2.tolist()}, expected {expected.tolist()}")
+        raise RuntimeError(
+            f"reduce_scatter_single gave {out2.tolist()}, expected {expected.tolist()}"
+        )
 
-    print0(f"OK: reduce_scatter (list) and reduce_scatter_single gave each of {world} ranks "
-           "the sum over ranks of its own piece")
+    print0(
+        f"OK: reduce_scatter (list) and reduce_scatter_single gave each of {world} ranks "
+        "the sum over ranks of its own piece"
+    )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ Both are checked bit for bit against dist.all_reduce and a plain sum of every ra
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.batch_isend_irecv
 """
+
 import math
 import time
 
@@ -83,7 +84,9 @@ def tree_all_reduce(tensor, rank, world):
 
 def main(args, ctx):
     ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: run with --nproc_per_node=2 or more")
-    ctx.require(sizes_ok(args.sizes), "--sizes must be positive integers separated by commas, e.g. 1,1001")
+    ctx.require(
+        sizes_ok(args.sizes), "--sizes must be positive integers separated by commas, e.g. 1,1001"
+    )
     ctx.require(args.iters >= 1, "--iters must be at least 1")
     ctx.require_point_to_point()
     rank, world = ctx.rank, ctx.world_size
@@ -92,25 +95,38 @@ def main(args, ctx):
     # tensor shorter than N may leave a rank nothing to send: a collective first sets the group up.
     dist.barrier()
 
-    print0(f"{'elements':>9} {'ring steps':>10} {'ring MB sent':>12} {'ring ms':>8}  {'tree steps':>10} "
-           f"{'tree MB sent':>12} {'tree ms':>8}  {'all_reduce ms':>13}")
+    print0(
+        f"{'elements':>9} {'ring steps':>10} {'ring MB sent':>12} {'ring ms':>8}  {'tree steps':>10} "
+        f"{'tree MB sent':>12} {'tree ms':>8}  {'all_reduce ms':>13}"
+    )
     for n in sizes:
         mine = data_of(rank, n).to(ctx.device)
         ring, tree = mine.clone(), mine.clone()
-        ring_steps, ring_sent = ring_all_reduce(ring, rank, world)  # in place: ring now holds the sum
+        ring_steps, ring_sent = ring_all_reduce(
+            ring, rank, world
+        )  # in place: ring now holds the sum
         tree_steps, tree_sent = tree_all_reduce(tree, rank, world)
         check_matches_plain_sum_and_library("ring", ring, mine, world, rank)
         check_matches_plain_sum_and_library("tree", tree, mine, world, rank)
         most_sent = [busiest_rank_sent(sent, ctx) / 1e6 for sent in (ring_sent, tree_sent)]
-        ms = [ms_per_call(fn, mine, args, ctx) for fn in (ring_all_reduce, tree_all_reduce, library_all_reduce)]
-        print0(f"{n:>9} {ring_steps:>10} {most_sent[0]:>12.3f} {ms[0]:>8.3f}  {tree_steps:>10} {most_sent[1]:>12.3f} "
-               f"{ms[1]:>8.3f}  {ms[2]:>13.3f}")
+        ms = [
+            ms_per_call(fn, mine, args, ctx)
+            for fn in (ring_all_reduce, tree_all_reduce, library_all_reduce)
+        ]
+        print0(
+            f"{n:>9} {ring_steps:>10} {most_sent[0]:>12.3f} {ms[0]:>8.3f}  {tree_steps:>10} {most_sent[1]:>12.3f} "
+            f"{ms[1]:>8.3f}  {ms[2]:>13.3f}"
+        )
 
-    print0(f"Ring: 2(N-1) = {2 * (world - 1)} steps, the busiest rank sends 2(N-1)/N of the tensor. Tree: "
-           f"2 ceil(log2 N) = {2 * math.ceil(math.log2(world))} steps of the whole tensor. Which wins where: "
-           "primitives/README.md (on one loaded CPU host the times blur both costs).")
-    print0(f"OK: ring and tree all-reduce built from send/recv equal dist.all_reduce and a plain sum bit for bit "
-           f"on {world} ranks at sizes {sizes}")
+    print0(
+        f"Ring: 2(N-1) = {2 * (world - 1)} steps, the busiest rank sends 2(N-1)/N of the tensor. Tree: "
+        f"2 ceil(log2 N) = {2 * math.ceil(math.log2(world))} steps of the whole tensor. Which wins where: "
+        "primitives/README.md (on one loaded CPU host the times blur both costs)."
+    )
+    print0(
+        f"OK: ring and tree all-reduce built from send/recv equal dist.all_reduce and a plain sum bit for bit "
+        f"on {world} ranks at sizes {sizes}"
+    )
 
 
 def data_of(r, n):
@@ -125,11 +141,16 @@ def check_matches_plain_sum_and_library(name, summed, mine, world, rank):
     library = mine.clone()
     dist.all_reduce(library)
     plain = sum(data_of(r, mine.numel()) for r in range(world))
-    for what, other in [("a plain sum of every rank's data", plain), ("dist.all_reduce", library.cpu())]:
+    for what, other in [
+        ("a plain sum of every rank's data", plain),
+        ("dist.all_reduce", library.cpu()),
+    ]:
         if not torch.equal(summed.cpu(), other):
             bad = (summed.cpu() != other).nonzero().flatten()[:5].tolist()
-            raise RuntimeError(f"rank {rank}: {name} all-reduce of {mine.numel()} elements differs from {what} "
-                               f"at indices {bad}")
+            raise RuntimeError(
+                f"rank {rank}: {name} all-reduce of {mine.numel()} elements differs from {what} "
+                f"at indices {bad}"
+            )
 
 
 def library_all_reduce(tensor, rank, world):
@@ -146,7 +167,9 @@ def busiest_rank_sent(sent, ctx):
 def ms_per_call(all_reduce, data, args, ctx):
     """Milliseconds per call of all_reduce(tensor, rank, world), the slowest rank's, after a warm-up call."""
     work = data.clone()
-    all_reduce(work, ctx.rank, ctx.world_size)  # warm-up: connections and buffers are set up on first use
+    all_reduce(
+        work, ctx.rank, ctx.world_size
+    )  # warm-up: connections and buffers are set up on first use
     dist.barrier()
     if ctx.device.type != "cpu":
         torch.accelerator.synchronize()
@@ -170,7 +193,10 @@ def sizes_ok(text):
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__, min_ranks=2)
-    parser.add_argument("--sizes", default="1,3,1001,65537",
-                        help="tensor lengths, comma-separated (default includes some smaller than N)")
+    parser.add_argument(
+        "--sizes",
+        default="1,3,1001,65537",
+        help="tensor lengths, comma-separated (default includes some smaller than N)",
+    )
     parser.add_argument("--iters", type=int, default=5, help="timed calls per size and algorithm")
     run(main, parser.parse_args())

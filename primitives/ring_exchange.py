@@ -12,6 +12,7 @@ messages between two ranks arrive in the order they were posted, so the halos do
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.batch_isend_irecv
 """
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ def main(args, ctx):
     right, left = (rank + 1) % world, (rank - 1) % world
 
     chunk = 100 * rank + torch.arange(n, dtype=torch.float32, device=ctx.device)
-    from_left = torch.empty(1, device=ctx.device)   # left neighbour's last element
+    from_left = torch.empty(1, device=ctx.device)  # left neighbour's last element
     from_right = torch.empty(1, device=ctx.device)  # right neighbour's first element
     ops = [
         dist.P2POp(dist.isend, chunk[-1:].contiguous(), right),
@@ -39,16 +40,20 @@ def main(args, ctx):
 
     padded = torch.cat([from_left, chunk, from_right])
     smoothed = (padded[:-2] + padded[1:-1] + padded[2:]) / 3
-    print_in_order(f"chunk {chunk.tolist()}  halo from rank {left}: {from_left.item():g}, "
-                   f"from rank {right}: {from_right.item():g}  stencil {[round(v, 2) for v in smoothed.tolist()]}")
+    print_in_order(
+        f"chunk {chunk.tolist()}  halo from rank {left}: {from_left.item():g}, "
+        f"from rank {right}: {from_right.item():g}  stencil {[round(v, 2) for v in smoothed.tolist()]}"
+    )
 
     # Independent check: the same stencil on the whole array, with numpy's periodic roll.
     full = np.concatenate([100 * r + np.arange(n, dtype=np.float32) for r in range(world)])
-    expected = ((np.roll(full, 1) + full + np.roll(full, -1)) / 3)[rank * n:(rank + 1) * n]
+    expected = ((np.roll(full, 1) + full + np.roll(full, -1)) / 3)[rank * n : (rank + 1) * n]
     if not np.allclose(smoothed.cpu().numpy(), expected):
         raise RuntimeError(f"rank {rank}: stencil {smoothed.tolist()} != numpy {expected.tolist()}")
-    print0(f"OK: halo exchange on a ring of {world} ranks in one batch_isend_irecv; "
-           "the sharded 3-point stencil equals numpy's on the full periodic array")
+    print0(
+        f"OK: halo exchange on a ring of {world} ranks in one batch_isend_irecv; "
+        "the sharded 3-point stencil equals numpy's on the full periodic array"
+    )
 
 
 if __name__ == "__main__":

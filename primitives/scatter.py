@@ -9,21 +9,27 @@ scatter_list, src=s): rank r's out holds x_r. Only src passes the list; others p
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.scatter
 """
+
 import torch
 import torch.distributed as dist
 from launch.dist_setup import lesson_parser, print0, print_in_order, run
 
 
 def main(args, ctx):
-    ctx.require(0 <= args.src < ctx.world_size, f"--src {args.src} is not a rank of a {ctx.world_size}-rank world")
+    ctx.require(
+        0 <= args.src < ctx.world_size,
+        f"--src {args.src} is not a rank of a {ctx.world_size}-rank world",
+    )
     rank, world, n, src = ctx.rank, ctx.world_size, args.size, args.src
 
     scatter_list = None
     if rank == src:  # only the source has the data; entry r is meant for rank r
         scatter_list = [100 * r + torch.arange(n, device=ctx.device) for r in range(world)]
     out = torch.full((n,), -1, dtype=torch.int64, device=ctx.device)
-    print_in_order(f"before: out {out.tolist()}"
-                   + (f", scatter_list {[x.tolist() for x in scatter_list]}" if rank == src else ""))
+    print_in_order(
+        f"before: out {out.tolist()}"
+        + (f", scatter_list {[x.tolist() for x in scatter_list]}" if rank == src else "")
+    )
     dist.scatter(out, scatter_list, src=src)
     print_in_order(f"after scatter from rank {src}: out {out.tolist()}")
 

@@ -17,6 +17,7 @@ has no queue; TCPStore and FileStore count a key of their own in num_keys.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#distributed-key-value-store
 """
+
 import datetime
 import os
 import tempfile
@@ -25,13 +26,19 @@ import time
 import torch.distributed as dist
 from launch.dist_setup import lesson_parser, print0, print_in_order, run
 
+
 def main(args, ctx):
     # Rank 0 hosts a TCPStore on a free port and publishes a value; the others connect and wait for the
     # key. (The port travels by broadcast_object_list; torchrun serves such a store on MASTER_PORT.)
     host = os.environ["MASTER_ADDR"]  # rank 0 runs on this host (torchrun and our spawn path)
     timeout = datetime.timedelta(seconds=args.timeout)
-    store = dist.TCPStore(host, 0, ctx.world_size, is_master=True, timeout=timeout,
-                          wait_for_workers=False) if ctx.rank == 0 else None
+    store = (
+        dist.TCPStore(
+            host, 0, ctx.world_size, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+        if ctx.rank == 0
+        else None
+    )
     port = [store.port if store else None]
     dist.broadcast_object_list(port, src=0)
     if ctx.rank != 0:
@@ -52,14 +59,18 @@ def main(args, ctx):
     dist.barrier()  # the server (rank 0) must outlive its clients' last request
     if ctx.rank == 0:  # each store here is private to rank 0
         print_what_each_store_supports()
-    print0(f"OK: {ctx.world_size} ranks read the value rank 0 published through a TCPStore, and add() counted "
-           f"{arrived} arrivals; each store kind probed (table above)")
+    print0(
+        f"OK: {ctx.world_size} ranks read the value rank 0 published through a TCPStore, and add() counted "
+        f"{arrived} arrivals; each store kind probed (table above)"
+    )
 
 
 def print_what_each_store_supports():
     with tempfile.TemporaryDirectory() as tmp:
         kinds = {
-            "TCPStore": dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=1)),
+            "TCPStore": dist.TCPStore(
+                "127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=1)
+            ),
             "FileStore": dist.FileStore(os.path.join(tmp, "store"), 1),
             "HashStore": dist.HashStore(),
             "PrefixStore": dist.PrefixStore("lesson/", dist.HashStore()),
@@ -77,6 +88,7 @@ def print_what_each_store_supports():
 
 def try_each_operation(store):
     """{operation: what happened}: the answer of its last step, or NO. A wrong answer raises."""
+
     def expect(got, want):
         if got != want:
             raise RuntimeError(f"expected {want!r}, got {got!r}")
@@ -98,16 +110,33 @@ def try_each_operation(store):
     tries = {
         "set/get": [lambda: store.set("k", "v"), lambda: expect(store.get("k"), b"v")],
         "add": [lambda: store.add("n", 2), lambda: expect(store.add("n", 3), 5)],
-        "append": [lambda: store.set("a", "x"), lambda: store.append("a", "y"), lambda: expect(store.get("a"), b"xy")],
-        "compare_set": [lambda: expect(store.compare_set("k", "v", "w"), b"w"),  # matched: swapped
-                        lambda: expect(store.compare_set("k", "v", "z"), b"w")],  # no match: unchanged
+        "append": [
+            lambda: store.set("a", "x"),
+            lambda: store.append("a", "y"),
+            lambda: expect(store.get("a"), b"xy"),
+        ],
+        "compare_set": [
+            lambda: expect(store.compare_set("k", "v", "w"), b"w"),  # matched: swapped
+            lambda: expect(store.compare_set("k", "v", "z"), b"w"),
+        ],  # no match: unchanged
         "wait(timeout)": [timed_wait],
-        "check": [lambda: expect(store.check(["k"]), True), lambda: expect(store.check(["nope"]), False)],
-        "delete_key": [lambda: expect(store.delete_key("k"), True), lambda: f"yes; again: {store.delete_key('k')}"],
+        "check": [
+            lambda: expect(store.check(["k"]), True),
+            lambda: expect(store.check(["nope"]), False),
+        ],
+        "delete_key": [
+            lambda: expect(store.delete_key("k"), True),
+            lambda: f"yes; again: {store.delete_key('k')}",
+        ],
         "num_keys": [num_keys],
-        "multi_set/get": [lambda: store.multi_set(["x", "y"], ["1", "2"]),
-                          lambda: expect(store.multi_get(["x", "y"]), [b"1", b"2"])],
-        "queue_push/pop": [lambda: store.queue_push("q", "m"), lambda: expect(store.queue_pop("q"), b"m")],
+        "multi_set/get": [
+            lambda: store.multi_set(["x", "y"], ["1", "2"]),
+            lambda: expect(store.multi_get(["x", "y"]), [b"1", b"2"]),
+        ],
+        "queue_push/pop": [
+            lambda: store.queue_push("q", "m"),
+            lambda: expect(store.queue_pop("q"), b"m"),
+        ],
     }
     found = {}
     for name, steps in tries.items():

@@ -20,6 +20,7 @@ Two separately launched jobs (a trainer and an inference engine): weight_sync_tw
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.broadcast
 """
+
 import time
 
 import torch
@@ -31,7 +32,9 @@ from launch.dist_setup import lesson_parser, print0, print_rank, run
 
 def make_model(args, seed, device):
     torch.manual_seed(seed)
-    with torch.device("cpu"):  # initialised by the CPU generator: the same weights whatever the device
+    with torch.device(
+        "cpu"
+    ):  # initialised by the CPU generator: the same weights whatever the device
         layers = []
         for _ in range(args.layers):  # many tensors of mixed sizes, like a transformer's
             layers += [torch.nn.LayerNorm(args.width), torch.nn.Linear(args.width, args.width)]
@@ -45,8 +48,12 @@ def train_step(model, step):
     (a DTensor under FSDP, in weight_sync_two_jobs.py) gets its own slice of the same noise."""
     gen = torch.Generator().manual_seed(step)
     for p in model.parameters():
-        noise = torch.randn(p.shape, generator=gen).to(device=p.device, dtype=p.dtype)  # the full shape
-        if isinstance(p, DTensor):  # this rank's slice; src_data_rank=None: every rank has it, send nothing
+        noise = torch.randn(p.shape, generator=gen).to(
+            device=p.device, dtype=p.dtype
+        )  # the full shape
+        if isinstance(
+            p, DTensor
+        ):  # this rank's slice; src_data_rank=None: every rank has it, send nothing
             noise = distribute_tensor(noise, p.device_mesh, p.placements, src_data_rank=None)
         p.add_(noise, alpha=1e-3)
 
@@ -72,29 +79,42 @@ def bucket_views(buckets):
         flat = _flatten_dense_tensors([p.data for p in bucket])  # one contiguous copy, at set-up
         offset = 0
         for p in bucket:
-            p.data = flat[offset:offset + p.numel()].view_as(p)  # the parameter is now a view of flat
+            p.data = flat[offset : offset + p.numel()].view_as(
+                p
+            )  # the parameter is now a view of flat
             offset += p.numel()
         flats.append(flat)
     return flats
 
 
 def main(args, ctx):
-    ctx.require(ctx.world_size >= 2,
-                "needs at least 2 ranks (a trainer and a worker): run with --nproc_per_node=2 or more")
-    ctx.require(1 <= args.trainers < ctx.world_size,
-                f"--trainers must be from 1 to {ctx.world_size - 1}: at least one rank must be a worker")
-    ctx.require(args.layers >= 1 and args.width >= 1 and args.steps >= 1, "--layers, --width and --steps must be >= 1")
+    ctx.require(
+        ctx.world_size >= 2,
+        "needs at least 2 ranks (a trainer and a worker): run with --nproc_per_node=2 or more",
+    )
+    ctx.require(
+        1 <= args.trainers < ctx.world_size,
+        f"--trainers must be from 1 to {ctx.world_size - 1}: at least one rank must be a worker",
+    )
+    ctx.require(
+        args.layers >= 1 and args.width >= 1 and args.steps >= 1,
+        "--layers, --width and --steps must be >= 1",
+    )
     ctx.require(args.bucket_mb > 0, "--bucket-mb must be positive")
     rank, trainer, workers = ctx.rank, 0, list(range(args.trainers, ctx.world_size))
     # Every rank calls new_group with the same list, even a rank that is not in it.
     sync_group = dist.new_group([trainer, *workers])
     if rank != trainer and rank not in workers:
         return print_outside(sync_group, args, ctx)  # a trainer rank that goes on training
-    model = make_model(args, seed=0 if rank == trainer else 1 + rank, device=ctx.device)  # workers start stale
+    model = make_model(
+        args, seed=0 if rank == trainer else 1 + rank, device=ctx.device
+    )  # workers start stale
     model.requires_grad_(False)  # weights are written by communication, not by autograd
     params = list(model.parameters())
     buckets = buckets_of(params, int(args.bucket_mb * 2**20))
-    flats = bucket_views(buckets) if rank != trainer else []  # a worker's parameters become views of these
+    flats = (
+        bucket_views(buckets) if rank != trainer else []
+    )  # a worker's parameters become views of these
 
     def per_parameter():  # one call, one latency, per tensor
         for p in params:
@@ -103,12 +123,16 @@ def main(args, ctx):
     def bucketed():  # one call per bucket
         for i, bucket in enumerate(buckets):
             if rank == trainer:
-                flat = _flatten_dense_tensors(bucket)  # pack: the trainer's optimizer owns its tensors
+                flat = _flatten_dense_tensors(
+                    bucket
+                )  # pack: the trainer's optimizer owns its tensors
                 dist.broadcast(flat, src=trainer, group=sync_group)
             else:
                 dist.broadcast(flats[i], src=trainer, group=sync_group)  # lands in the parameters
 
-    times = train_sync_and_check(model, {"per-parameter": per_parameter, "bucketed": bucketed}, args, ctx, sync_group)
+    times = train_sync_and_check(
+        model, {"per-parameter": per_parameter, "bucketed": bucketed}, args, ctx, sync_group
+    )
     print_timings(times, params, buckets, args, ctx)
 
 
@@ -154,30 +178,46 @@ def slowest_rank_seconds(fn, ctx, group):
 def check_equals_replica(model, replica, method, step, rank):
     for p, q in zip(model.parameters(), replica.parameters()):  # compare the bytes, not the values
         if not torch.equal(p.reshape(-1).view(torch.uint8), q.data.reshape(-1).view(torch.uint8)):
-            raise RuntimeError(f"rank {rank}: after {method} sync at step {step} a parameter of shape "
-                               f"{tuple(p.shape)} differs from the trainer's")
+            raise RuntimeError(
+                f"rank {rank}: after {method} sync at step {step} a parameter of shape "
+                f"{tuple(p.shape)} differs from the trainer's"
+            )
 
 
 def print_timings(times, params, buckets, args, ctx):
     nbytes = sum(p.numel() * p.element_size() for p in params)
     per, buck = (sum(times[k]) / args.steps * 1e3 for k in ("per-parameter", "bucketed"))
-    print0(f"model: {len(params)} tensors, {nbytes / 2**20:.2f} MiB of {args.dtype}; {len(buckets)} bucket(s) "
-           f"of at most {args.bucket_mb:g} MiB; trainer rank 0 -> {ctx.world_size - args.trainers} worker(s) "
-           f"(ranks {args.trainers}..{ctx.world_size - 1}); {args.trainers - 1} trainer rank(s) outside the group")
+    print0(
+        f"model: {len(params)} tensors, {nbytes / 2**20:.2f} MiB of {args.dtype}; {len(buckets)} bucket(s) "
+        f"of at most {args.bucket_mb:g} MiB; trainer rank 0 -> {ctx.world_size - args.trainers} worker(s) "
+        f"(ranks {args.trainers}..{ctx.world_size - 1}); {args.trainers - 1} trainer rank(s) outside the group"
+    )
     print0(f"per-parameter broadcast: {per:8.3f} ms per sync ({len(params)} calls)")
     print0(f"bucketed broadcast:      {buck:8.3f} ms per sync ({len(buckets)} calls)")
-    print0(f"speed-up of bucketed over per-parameter: {per / buck:.2f}x (mean of {args.steps} steps)")
-    print0(f"OK: after each of {args.steps + 1} steps every worker's weights equal the trainer's bit for bit, "
-           f"both per-parameter and bucketed; bucketed was {per / buck:.2f}x as fast here")
+    print0(
+        f"speed-up of bucketed over per-parameter: {per / buck:.2f}x (mean of {args.steps} steps)"
+    )
+    print0(
+        f"OK: after each of {args.steps + 1} steps every worker's weights equal the trainer's bit for bit, "
+        f"both per-parameter and bucketed; bucketed was {per / buck:.2f}x as fast here"
+    )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__, min_ranks=2)
-    parser.add_argument("--trainers", type=int, default=1,
-                        help="ranks 0..T-1 train; only rank 0 of them joins the sync group (default 1)")
-    parser.add_argument("--layers", type=int, default=8, help="LayerNorm+Linear pairs (4 tensors each)")
+    parser.add_argument(
+        "--trainers",
+        type=int,
+        default=1,
+        help="ranks 0..T-1 train; only rank 0 of them joins the sync group (default 1)",
+    )
+    parser.add_argument(
+        "--layers", type=int, default=8, help="LayerNorm+Linear pairs (4 tensors each)"
+    )
     parser.add_argument("--width", type=int, default=64, help="hidden size")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--bucket-mb", type=float, default=1.0, help="largest bucket in MiB")
-    parser.add_argument("--steps", type=int, default=3, help="timed training steps (plus one warm-up)")
+    parser.add_argument(
+        "--steps", type=int, default=3, help="timed training steps (plus one warm-up)"
+    )
     run(main, parser.parse_args())

@@ -23,6 +23,7 @@ has the 1 -> 7 recipe). On two hosts, set --sync-host of both jobs to the traine
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.TCPStore
       https://pytorch.org/docs/stable/distributed.tensor.html (full_tensor)
 """
+
 import datetime
 import json
 import socket
@@ -41,7 +42,9 @@ def main(args, ctx):
     check_flags(args, ctx)
     trainer = args.role == "trainer"
     timeout = datetime.timedelta(seconds=args.timeout)
-    model = make_model(args, seed=0 if trainer else 1 + ctx.rank, device=ctx.device).requires_grad_(False)
+    model = make_model(args, seed=0 if trainer else 1 + ctx.rank, device=ctx.device).requires_grad_(
+        False
+    )
     if trainer:  # FSDP2: each trainer rank keeps a 1/T slice of every tensor
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         for layer in model:
@@ -58,8 +61,12 @@ def main(args, ctx):
     group = None
     if not trainer or ctx.rank == 0:
         backend = dist.ProcessGroupNCCL if ctx.backend == "nccl" else dist.ProcessGroupGloo
-        group = backend(dist.PrefixStore("weights", store), 1 + ctx.rank if not trainer else 0, 1 + n_inference,
-                        timeout)
+        group = backend(
+            dist.PrefixStore("weights", store),
+            1 + ctx.rank if not trainer else 0,
+            1 + n_inference,
+            timeout,
+        )
 
     # 3. Each step: train, then stream the weights bucket by bucket.
     buckets = buckets_of(list(model.parameters()), int(args.bucket_mb * 2**20))
@@ -71,7 +78,9 @@ def main(args, ctx):
             train_step(model, step)
             start = time.perf_counter()
             for bucket in buckets:
-                full = [p.full_tensor() for p in bucket]  # all trainer ranks: an all_gather per tensor
+                full = [
+                    p.full_tensor() for p in bucket
+                ]  # all trainer ranks: an all_gather per tensor
                 if group is not None:  # trainer rank 0 packs the bucket and sends it
                     flat = torch.cat([t.reshape(-1) for t in full])
                     if args.corrupt_for_testing and step == args.steps - 1:
@@ -96,9 +105,14 @@ def main(args, ctx):
 
 
 def check_flags(args, ctx):
-    ctx.require(args.layers >= 1 and args.width >= 1 and args.steps >= 1, "--layers, --width and --steps must be >= 1")
+    ctx.require(
+        args.layers >= 1 and args.width >= 1 and args.steps >= 1,
+        "--layers, --width and --steps must be >= 1",
+    )
     ctx.require(args.bucket_mb > 0, "--bucket-mb must be positive")
-    ctx.require(1 <= args.sync_port <= 65535, f"--sync-port must be from 1 to 65535, got {args.sync_port}")
+    ctx.require(
+        1 <= args.sync_port <= 65535, f"--sync-port must be from 1 to 65535, got {args.sync_port}"
+    )
 
 
 def open_store(args, ctx, timeout):
@@ -112,19 +126,34 @@ def open_store(args, ctx, timeout):
         try:
             fd = socket.create_server((args.sync_host, args.sync_port)).detach()
         except OSError as error:
-            ctx.require(False, f"cannot listen on {args.sync_host}:{args.sync_port} ({error.strerror}): "
-                               "pick a free --sync-port, the same for both jobs")
+            ctx.require(
+                False,
+                f"cannot listen on {args.sync_host}:{args.sync_port} ({error.strerror}): "
+                "pick a free --sync-port, the same for both jobs",
+            )
     try:
-        return dist.TCPStore(args.sync_host, args.sync_port, is_master=fd is not None, timeout=timeout,
-                             wait_for_workers=False, master_listen_fd=fd)
+        return dist.TCPStore(
+            args.sync_host,
+            args.sync_port,
+            is_master=fd is not None,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=fd,
+        )
     except dist.DistError:
-        ctx.require(False, f"no trainer listened on {args.sync_host}:{args.sync_port} within {args.timeout:g} s: "
-                           "start the trainer job (--role trainer) with the same --sync-host and --sync-port")
+        ctx.require(
+            False,
+            f"no trainer listened on {args.sync_host}:{args.sync_port} within {args.timeout:g} s: "
+            "start the trainer job (--role trainer) with the same --sync-host and --sync-port",
+        )
 
 
 def agree_on_layout(store, model, args, ctx, timeout):
     """Both jobs must agree on every tensor's name, global shape and dtype, on the buckets and the backend."""
-    tensors = [[name, list(p.shape), str(p.dtype).removeprefix("torch.")] for name, p in model.named_parameters()]
+    tensors = [
+        [name, list(p.shape), str(p.dtype).removeprefix("torch.")]
+        for name, p in model.named_parameters()
+    ]
     mine = {"backend": ctx.backend, "bucket_mb": args.bucket_mb, "tensors": tensors}
     other = "inference" if args.role == "trainer" else "trainer"
     if ctx.rank == 0:  # json, not pickle: nothing read from the store is executed
@@ -134,22 +163,36 @@ def agree_on_layout(store, model, args, ctx, timeout):
     try:
         store.wait([f"{other}/layout", "inference/ranks"], timeout)
     except dist.DistError:
-        ctx.require(False, f"no {other} job joined on {args.sync_host}:{args.sync_port} within {args.timeout:g} s: "
-                           f"start it with --role {other} and the same --sync-port")
-    theirs, n_inference = json.loads(store.get(f"{other}/layout")), int(store.get("inference/ranks"))
+        ctx.require(
+            False,
+            f"no {other} job joined on {args.sync_host}:{args.sync_port} within {args.timeout:g} s: "
+            f"start it with --role {other} and the same --sync-port",
+        )
+    theirs, n_inference = (
+        json.loads(store.get(f"{other}/layout")),
+        int(store.get("inference/ranks")),
+    )
     store.set(f"read/{args.role}/{ctx.rank}", "1")
-    if theirs != mine and args.role == "trainer":  # keep the store up while the others read; leave together
+    if (
+        theirs != mine and args.role == "trainer"
+    ):  # keep the store up while the others read; leave together
         if ctx.rank == 0:
             try:  # a rank that never reads (its launcher stopped it) holds this up 10 s at most
-                store.wait([f"read/trainer/{r}" for r in range(ctx.world_size)] +
-                           [f"read/inference/{r}" for r in range(n_inference)], datetime.timedelta(seconds=10))
+                store.wait(
+                    [f"read/trainer/{r}" for r in range(ctx.world_size)]
+                    + [f"read/inference/{r}" for r in range(n_inference)],
+                    datetime.timedelta(seconds=10),
+                )
             except dist.DistError:
                 pass
             store.set("read/all", "1")
         store.wait(["read/all"], timeout)
-    ctx.require(theirs == mine, f"the two jobs differ: {args.role} has {summary(mine)}, {other} has "
-                                f"{summary(theirs)}: start both with the same --layers, --width, --dtype, "
-                                "--bucket-mb and backend")
+    ctx.require(
+        theirs == mine,
+        f"the two jobs differ: {args.role} has {summary(mine)}, {other} has "
+        f"{summary(theirs)}: start both with the same --layers, --width, --dtype, "
+        "--bucket-mb and backend",
+    )
     return n_inference
 
 
@@ -163,11 +206,16 @@ def report(store, group, seconds, wrong, n_inference, buckets, args, ctx, timeou
     """Inference ranks post their verdict; trainer rank 0 waits for all of them (a mismatch fails both jobs)."""
     if args.role == "inference":
         store.set(f"verdict/{ctx.rank}", wrong or "ok")
-        print_in_order(f"weights after step {args.steps - 1}: " + (wrong or "equal to the replica, bit for bit"))
+        print_in_order(
+            f"weights after step {args.steps - 1}: "
+            + (wrong or "equal to the replica, bit for bit")
+        )
         if wrong:
             raise RuntimeError(wrong)
-        print0(f"OK: inference job, {ctx.world_size} rank(s): after each of {args.steps} steps every rank's weights "
-               "equal the trainer's bit for bit")
+        print0(
+            f"OK: inference job, {ctx.world_size} rank(s): after each of {args.steps} steps every rank's weights "
+            "equal the trainer's bit for bit"
+        )
         return
     if group is None:  # trainer ranks other than 0 only helped gather
         return
@@ -176,25 +224,45 @@ def report(store, group, seconds, wrong, n_inference, buckets, args, ctx, timeou
     if bad:
         raise RuntimeError(f"{len(bad)} inference rank(s) report a mismatch, first: {bad[0]}")
     mib = sum(p.numel() * p.element_size() for b in buckets for p in b) / 2**20
-    timed = seconds[1:] or seconds  # step 0 also sets up the communicators, when there are more steps
+    timed = (
+        seconds[1:] or seconds
+    )  # step 0 also sets up the communicators, when there are more steps
     ms = sum(timed) / len(timed) * 1e3
-    print0(f"trainer: {ctx.world_size} FSDP rank(s) -> {n_inference} inference rank(s), {len(buckets)} bucket(s), "
-           f"{mib:.2f} MiB per sync, {ms:.1f} ms per sync ({mib / 1024 / (ms / 1e3):.3f} GiB/s)")
-    print0(f"OK: trainer job: {args.steps} syncs streamed from {ctx.world_size} FSDP rank(s); all {n_inference} "
-           "inference rank(s) confirmed their weights bit for bit")
+    print0(
+        f"trainer: {ctx.world_size} FSDP rank(s) -> {n_inference} inference rank(s), {len(buckets)} bucket(s), "
+        f"{mib:.2f} MiB per sync, {ms:.1f} ms per sync ({mib / 1024 / (ms / 1e3):.3f} GiB/s)"
+    )
+    print0(
+        f"OK: trainer job: {args.steps} syncs streamed from {ctx.world_size} FSDP rank(s); all {n_inference} "
+        "inference rank(s) confirmed their weights bit for bit"
+    )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--role", required=True, choices=["trainer", "inference"], help="which job this is")
-    parser.add_argument("--sync-host", default="127.0.0.1",
-                        help="address of trainer rank 0's store (default 127.0.0.1: this machine only)")
-    parser.add_argument("--sync-port", type=int, default=29600, help="its port, the same for both jobs")
-    parser.add_argument("--layers", type=int, default=8, help="LayerNorm+Linear pairs (4 tensors each)")
+    parser.add_argument(
+        "--role", required=True, choices=["trainer", "inference"], help="which job this is"
+    )
+    parser.add_argument(
+        "--sync-host",
+        default="127.0.0.1",
+        help="address of trainer rank 0's store (default 127.0.0.1: this machine only)",
+    )
+    parser.add_argument(
+        "--sync-port", type=int, default=29600, help="its port, the same for both jobs"
+    )
+    parser.add_argument(
+        "--layers", type=int, default=8, help="LayerNorm+Linear pairs (4 tensors each)"
+    )
     parser.add_argument("--width", type=int, default=64, help="hidden size")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--bucket-mb", type=float, default=1.0, help="largest bucket in MiB")
-    parser.add_argument("--steps", type=int, default=3, help="training steps, each followed by a sync")
-    test_flags(parser).add_argument("--corrupt-for-testing", action="store_true",
-                                    help="trainer: change one value of the last sync (the check must fail)")
+    parser.add_argument(
+        "--steps", type=int, default=3, help="training steps, each followed by a sync"
+    )
+    test_flags(parser).add_argument(
+        "--corrupt-for-testing",
+        action="store_true",
+        help="trainer: change one value of the last sync (the check must fail)",
+    )
     run(main, parser.parse_args())

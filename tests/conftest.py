@@ -12,16 +12,24 @@ def pytest_sessionstart(session):
     try:
         import launch.dist_setup as module
     except ImportError:
-        pytest.exit("launch.dist_setup is not importable: run `pip install -r requirements.txt` first", 2)
+        pytest.exit(
+            "launch.dist_setup is not importable: run `pip install -r requirements.txt` first", 2
+        )
     if Path(module.__file__).resolve().parents[1] != ROOT:
-        pytest.exit(f"`launch` is imported from {module.__file__}, not this checkout: "
-                    "run `pip install -r requirements.txt` here", 2)
+        pytest.exit(
+            f"`launch` is imported from {module.__file__}, not this checkout: "
+            "run `pip install -r requirements.txt` here",
+            2,
+        )
 
 
 def pytest_addoption(parser):
-    parser.addoption("--gpu", action="store_true",
-                     help="GPU mode: also run every lesson on this machine's GPUs with NCCL at each world size "
-                          "from 1 to the number of GPUs, and with Gloo on CUDA tensors at 2 ranks (tests/test_gpu.py)")
+    parser.addoption(
+        "--gpu",
+        action="store_true",
+        help="GPU mode: also run every lesson on this machine's GPUs with NCCL at each world size "
+        "from 1 to the number of GPUs, and with Gloo on CUDA tensors at 2 ranks (tests/test_gpu.py)",
+    )
 
 
 # Tests that share a session-scoped run (or one Slurm cluster, or network namespaces) stay on one
@@ -29,11 +37,16 @@ def pytest_addoption(parser):
 SHARED_FIXTURES = ("whole_run", "checkpoint_2_ranks", "print_env_3", "slurm")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the marks into the test ids
+@pytest.hookimpl(
+    tryfirst=True
+)  # before pytest-xdist's own hook, which reads the marks into the test ids
 def pytest_collection_modifyitems(config, items):
     for item in items:
         shared = [f for f in SHARED_FIXTURES if f in getattr(item, "fixturenames", ())]
-        if item.module.__name__ in ("test_launch_cluster", "test_gpu"):  # one cluster; GPUs run one lesson at a time
+        if item.module.__name__ in (
+            "test_launch_cluster",
+            "test_gpu",
+        ):  # one cluster; GPUs run one lesson at a time
             shared = [item.module.__name__]
         if shared:
             item.add_marker(pytest.mark.xdist_group(shared[0]))

@@ -23,20 +23,61 @@ A line that is right for a reason the rules cannot see carries a comment `# devi
 
     python tests/device_lint.py [ROOT]      # prints file:line: message, exit 1 if any
 """
+
 import ast
 import sys
 from pathlib import Path
 
 FOLDERS = ("primitives", "ddp_basics", "fsdp_basics", "transformer_basics", "launch")
-FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "linspace",
-             "logspace", "eye", "rand", "randn", "randint", "randperm"}
+FACTORIES = {
+    "tensor",
+    "as_tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "linspace",
+    "logspace",
+    "eye",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+}
 MOVES = {"to", "to_empty", "cuda"}
 NN_WITH_PARAMETERS = {
-    "Linear", "Bilinear", "Embedding", "EmbeddingBag", "LayerNorm", "RMSNorm", "GroupNorm",
-    "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "BatchNorm1d",
-    "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "Sequential", "ModuleList", "ModuleDict",
-    "ParameterList", "ParameterDict", "MultiheadAttention", "RNN", "LSTM", "GRU", "Transformer",
-    "TransformerEncoder", "TransformerEncoderLayer", "TransformerDecoder", "TransformerDecoderLayer"}
+    "Linear",
+    "Bilinear",
+    "Embedding",
+    "EmbeddingBag",
+    "LayerNorm",
+    "RMSNorm",
+    "GroupNorm",
+    "Conv1d",
+    "Conv2d",
+    "Conv3d",
+    "ConvTranspose1d",
+    "ConvTranspose2d",
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "BatchNorm3d",
+    "SyncBatchNorm",
+    "Sequential",
+    "ModuleList",
+    "ModuleDict",
+    "ParameterList",
+    "ParameterDict",
+    "MultiheadAttention",
+    "RNN",
+    "LSTM",
+    "GRU",
+    "Transformer",
+    "TransformerEncoder",
+    "TransformerEncoderLayer",
+    "TransformerDecoder",
+    "TransformerDecoderLayer",
+}
 
 
 def lesson_files(root):
@@ -83,8 +124,12 @@ def _keyword(call, name):
 def _is_cpu(node):
     if isinstance(node, ast.Constant):
         return node.value == "cpu"
-    return isinstance(node, ast.Call) and _dotted(node.func) == "torch.device" and bool(node.args) \
+    return (
+        isinstance(node, ast.Call)
+        and _dotted(node.func) == "torch.device"
+        and bool(node.args)
         and _is_cpu(node.args[0])
+    )
 
 
 class _Checker(ast.NodeVisitor):
@@ -108,8 +153,12 @@ class _Checker(ast.NodeVisitor):
         """The call being visited flows, through method calls, into .to(...)/.cuda()/.to_empty(...)."""
         chain = self.parents
         i = len(chain) - 1
-        while i >= 2 and isinstance(chain[i - 1], ast.Attribute) and isinstance(chain[i - 2], ast.Call) \
-                and chain[i - 2].func is chain[i - 1]:
+        while (
+            i >= 2
+            and isinstance(chain[i - 1], ast.Attribute)
+            and isinstance(chain[i - 2], ast.Call)
+            and chain[i - 2].func is chain[i - 1]
+        ):
             if chain[i - 1].attr in MOVES:
                 return True
             i -= 2
@@ -118,8 +167,10 @@ class _Checker(ast.NodeVisitor):
     def _in_device_context(self):
         for node in self._ancestors():
             if isinstance(node, ast.With) and any(
-                    isinstance(item.context_expr, ast.Call) and _dotted(item.context_expr.func) == "torch.device"
-                    for item in node.items):
+                isinstance(item.context_expr, ast.Call)
+                and _dotted(item.context_expr.func) == "torch.device"
+                for item in node.items
+            ):
                 return True
         return False
 
@@ -129,7 +180,9 @@ class _Checker(ast.NodeVisitor):
     def _in_module_class(self, init_only=False):
         parents = list(self._ancestors())
         for i, node in enumerate(parents):
-            if isinstance(node, ast.ClassDef) and any(_is_module_base(b, self.module_classes) for b in node.bases):
+            if isinstance(node, ast.ClassDef) and any(
+                _is_module_base(b, self.module_classes) for b in node.bases
+            ):
                 if not init_only:
                     return True
                 inner = parents[:i]
@@ -148,8 +201,10 @@ class _Checker(ast.NodeVisitor):
         """An argument of another module's constructor, or an element of a list of layers (which
         can only become parameters through a container module)."""
         containers = (ast.List, ast.Tuple, ast.ListComp, ast.GeneratorExp, ast.Starred)
-        return any(isinstance(n, containers) or isinstance(n, ast.Call) and self._is_module_call(n)
-                   for n in self._ancestors())
+        return any(
+            isinstance(n, containers) or isinstance(n, ast.Call) and self._is_module_call(n)
+            for n in self._ancestors()
+        )
 
     def _assigned_then_moved(self, call):
         assign = self.parents[-2] if len(self.parents) >= 2 else None
@@ -157,9 +212,17 @@ class _Checker(ast.NodeVisitor):
             return False
         targets = assign.targets if isinstance(assign, ast.Assign) else [assign.target]
         names = {_dotted(t) for t in targets} - {None}
-        scope = self._enclosing((ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)) or self.parents[0]
-        return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in MOVES
-                   and _dotted(n.func.value) in names and n.lineno >= call.lineno for n in ast.walk(scope))
+        scope = (
+            self._enclosing((ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)) or self.parents[0]
+        )
+        return any(
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr in MOVES
+            and _dotted(n.func.value) in names
+            and n.lineno >= call.lineno
+            for n in ast.walk(scope)
+        )
 
     def visit_Call(self, call):
         name = _dotted(call.func) or ""
@@ -167,26 +230,46 @@ class _Checker(ast.NodeVisitor):
         if name in {f"torch.{f}" for f in FACTORIES}:
             placed = device is not None or self._moved() or self._in_device_context()
             if not placed and not self._in_module_class(init_only=True):
-                self.flag(call, f"{name}(...) does not say where it lives: pass device= "
-                                "(device=\"cpu\" for a host tensor) or move it with .to(...)")
-            if _keyword(call, "generator") is not None and device is not None and not _is_cpu(device):
-                self.flag(call, f"{name}(..., generator=...) on a non-CPU device: a CPU generator cannot "
-                                "drive it; generate on the CPU, then .to(device)")
+                self.flag(
+                    call,
+                    f"{name}(...) does not say where it lives: pass device= "
+                    '(device="cpu" for a host tensor) or move it with .to(...)',
+                )
+            if (
+                _keyword(call, "generator") is not None
+                and device is not None
+                and not _is_cpu(device)
+            ):
+                self.flag(
+                    call,
+                    f"{name}(..., generator=...) on a non-CPU device: a CPU generator cannot "
+                    "drive it; generate on the CPU, then .to(device)",
+                )
         elif name == "torch.from_numpy" and not self._moved():
             self.flag(call, "torch.from_numpy(...) lives on the CPU: move it with .to(...)")
         elif name == "torch.load":
             weights_only = _keyword(call, "weights_only")
             if _keyword(call, "map_location") is None:
-                self.flag(call, "torch.load without map_location= puts tensors back on the device they were "
-                                "saved from (cuda:0 for every rank)")
+                self.flag(
+                    call,
+                    "torch.load without map_location= puts tensors back on the device they were "
+                    "saved from (cuda:0 for every rank)",
+                )
             if not (isinstance(weights_only, ast.Constant) and weights_only.value is True):
                 self.flag(call, "torch.load without weights_only=True unpickles arbitrary objects")
         elif self._is_module_call(call):
-            placed = (device is not None or self._moved() or self._in_device_context()
-                      or self._assigned_then_moved(call))
+            placed = (
+                device is not None
+                or self._moved()
+                or self._in_device_context()
+                or self._assigned_then_moved(call)
+            )
             if not placed and not self._in_module_class() and not self._nested_in_module_call():
-                self.flag(call, f"{name}(...) builds parameters on the CPU and never moves them: "
-                                "pass device= or call .to(device) on it")
+                self.flag(
+                    call,
+                    f"{name}(...) builds parameters on the CPU and never moves them: "
+                    "pass device= or call .to(device) on it",
+                )
         self.generic_visit(call)
 
 

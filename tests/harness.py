@@ -14,6 +14,7 @@ reader-facing run; see tests/warm_launcher.py for what differs.
 Each run gets a free port on 127.0.0.1, so runs never collide; a run that outlives
 its time limit is killed with all its processes and the test fails with its output.
 """
+
 import os
 import re
 import resource
@@ -69,12 +70,26 @@ def free_port(hold=True):
 
 
 def lesson_env(extra=None):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DIST_", "TORCHELASTIC_", "SLURM_"))}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("DIST_", "TORCHELASTIC_", "SLURM_"))
+    }
+    for key in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
         env.pop(key, None)
     # Deprecations are shown (once per place), the rest of the warnings not: assert_ok fails a run that
     # printed one, so a rename in the next torch is caught the day it lands (see DEPRECATION below).
-    env.update(PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore,default::DeprecationWarning,default::FutureWarning")
+    env.update(
+        PYTHONUNBUFFERED="1",
+        PYTHONWARNINGS="ignore,default::DeprecationWarning,default::FutureWarning",
+    )
     # The CPU suite stays on the CPU on a GPU node too (tests/test_gpu.py hands the GPUs back).
     env.update(CUDA_VISIBLE_DEVICES="")
     env.update(extra or {})
@@ -97,8 +112,15 @@ def _children_cpu_s():
 def run_command(command, timeout=120, env=None, cwd=ROOT):
     """Run command in its own session; on timeout kill the whole process group."""
     start, cpu = time.monotonic(), _children_cpu_s()
-    proc = subprocess.Popen([str(c) for c in command], cwd=cwd, env=lesson_env(env), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(c) for c in command],
+        cwd=cwd,
+        env=lesson_env(env),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
         timed_out = False
@@ -106,15 +128,30 @@ def run_command(command, timeout=120, env=None, cwd=ROOT):
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         timed_out = True
-    log_launch("python" if "--nproc" in map(str, command) else
-               "torchrun" if "torch.distributed.run" in map(str, command) else "other", command,
-               time.monotonic() - start, _children_cpu_s() - cpu)  # CPU of the processes it waited for
+    log_launch(
+        "python"
+        if "--nproc" in map(str, command)
+        else "torchrun"
+        if "torch.distributed.run" in map(str, command)
+        else "other",
+        command,
+        time.monotonic() - start,
+        _children_cpu_s() - cpu,
+    )  # CPU of the processes it waited for
     return Result([str(c) for c in command], proc.returncode, out, err, timed_out)
 
 
 def torchrun_command(lesson, nproc, args=()):
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(ROOT / lesson), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(ROOT / lesson),
+        *args,
+    ]
 
 
 def run_lesson(lesson, *args, nproc=2, launcher="torchrun", timeout=120, env=None):
@@ -125,11 +162,19 @@ def run_lesson(lesson, *args, nproc=2, launcher="torchrun", timeout=120, env=Non
         launcher = "torchrun"
     if launcher == "warm":
         import warm_launcher  # tests/ is on sys.path (conftest.py)
+
         start = time.monotonic()
-        result = Result(*warm_launcher.run(ROOT / lesson, args, nproc=nproc, env=lesson_env(env), cwd=ROOT,
-                                           timeout=timeout))
-        log_launch("warm", [lesson, f"--nproc_per_node={nproc}", *args], time.monotonic() - start,
-                   warm_launcher.last_cpu_s or 0.0)  # the ranks' CPU
+        result = Result(
+            *warm_launcher.run(
+                ROOT / lesson, args, nproc=nproc, env=lesson_env(env), cwd=ROOT, timeout=timeout
+            )
+        )
+        log_launch(
+            "warm",
+            [lesson, f"--nproc_per_node={nproc}", *args],
+            time.monotonic() - start,
+            warm_launcher.last_cpu_s or 0.0,
+        )  # the ranks' CPU
         return result
     if launcher == "torchrun":
         command = torchrun_command(lesson, nproc, args)
@@ -157,7 +202,9 @@ def assert_ok(result, deprecated_on_purpose=None):
     assert not result.timed_out and result.returncode == 0, str(result)
     warnings = [m.group(0) for m in DEPRECATION.finditer(result.stderr)]
     if deprecated_on_purpose:
-        assert any(re.search(deprecated_on_purpose, w) for w in warnings), f"no {deprecated_on_purpose}\n{result}"
+        assert any(re.search(deprecated_on_purpose, w) for w in warnings), (
+            f"no {deprecated_on_purpose}\n{result}"
+        )
         warnings = [w for w in warnings if not re.search(deprecated_on_purpose, w)]
     assert not warnings, f"the run uses something deprecated in this torch: {warnings[0]}\n{result}"
     lines = ok_lines(result)
@@ -177,4 +224,6 @@ def assert_fails(result, message, within=None):
         # torchrun stops the other ranks as soon as one exits, so some may never get to print
         stops_others = "torch.distributed.run" in result.command or WARM in result.command
         low = 1 if stops_others else within
-        assert low <= count <= within, f"expected {message!r} on {within} ranks, saw it {count} times\n{result}"
+        assert low <= count <= within, (
+            f"expected {message!r} on {within} ranks, saw it {count} times\n{result}"
+        )

@@ -2,6 +2,7 @@
 on one GPT, the losses equal to one process's plain model; the bytes saved for backward and the graphs
 compiled, as printed; the other order; dropout recomputed without the RNG state fails; a bad flag.
 Compile is the expensive part (aot_eager on CPU): three runs compile, the others run eager."""
+
 import re
 
 import pytest
@@ -9,19 +10,27 @@ import pytest
 from harness import assert_fails, assert_ok, run_lesson
 
 LESSON, TIMEOUT = "transformer_basics/composition.py", 400
-SAVED = re.compile(r"^\[rank (\d+)\] saved for backward: ([\d,]+) bytes, plain eager model ([\d,]+) \(\d+%\); "
-                   r"(\d+) graph\(s\) compiled, (\d+) graph break\(s\), (\d+) frame\(s\) left to eager", re.M)
+SAVED = re.compile(
+    r"^\[rank (\d+)\] saved for backward: ([\d,]+) bytes, plain eager model ([\d,]+) \(\d+%\); "
+    r"(\d+) graph\(s\) compiled, (\d+) graph break\(s\), (\d+) frame\(s\) left to eager",
+    re.M,
+)
 LOSSES = re.compile(r"^losses (.*); one process (.*)\nmax difference (\S+), bound (\S+)", re.M)
 
 
 def figures(result, nproc):
     """Per rank (saved, plain, graphs, breaks, frames left to eager); the losses within the printed bound."""
-    rows = {int(m[0]): [int(v.replace(",", "")) for v in m[1:]] for m in SAVED.findall(result.stdout)}
+    rows = {
+        int(m[0]): [int(v.replace(",", "")) for v in m[1:]] for m in SAVED.findall(result.stdout)
+    }
     assert sorted(rows) == list(range(nproc)), result
     m = LOSSES.search(result.stdout)
     assert m, result
     ours, ref = ([float(v) for v in group.split(", ")] for group in m.group(1, 2))
-    assert len(ours) == len(ref) == 3 and max(abs(a - b) for a, b in zip(ours, ref)) <= float(m[4]) < 1e-4, result
+    assert (
+        len(ours) == len(ref) == 3
+        and max(abs(a - b) for a, b in zip(ours, ref)) <= float(m[4]) < 1e-4
+    ), result
     return rows
 
 
@@ -30,7 +39,9 @@ def test_torchrun_2_fsdp():  # the default: fsdp, AC, compile per block
     assert "OK: fsdp, checkpointed, compiled (aot_eager) on 2 rank(s)" in assert_ok(result)
     for saved, plain, graphs, breaks, eager in figures(result, 2).values():
         assert saved < plain / 2, result  # AC keeps each block's input only: measured 17%
-        assert graphs >= 1 and breaks == 0 and eager == 0, result  # every block in a graph, nothing left out
+        assert graphs >= 1 and breaks == 0 and eager == 0, (
+            result
+        )  # every block in a graph, nothing left out
 
 
 def test_python_2_ddp():  # DDP then compile: DDPOptimizer splits the graph at DDP's buckets
@@ -38,21 +49,36 @@ def test_python_2_ddp():  # DDP then compile: DDPOptimizer splits the graph at D
     assert "OK: ddp, checkpointed, compiled (aot_eager) on 2 rank(s)" in assert_ok(result)
     for saved, plain, graphs, _, _ in figures(result, 2).values():
         assert saved < plain / 2, result
-        assert graphs >= 2, result  # 1.7 MB of parameters in 1 MiB buckets: one graph per bucket, not one
+        assert graphs >= 2, (
+            result
+        )  # 1.7 MB of parameters in 1 MiB buckets: one graph per bucket, not one
 
 
 @pytest.mark.quick
 def test_warm_1_eager_with_dropout():  # no compile, no AC: the count is the plain model's; dropout replayed
-    result = run_lesson(LESSON, "--parallel", "ddp", "--no-compile", "--no-ac", "--dropout", "0.1",
-                        nproc=1, launcher="warm", timeout=TIMEOUT)
+    result = run_lesson(
+        LESSON,
+        "--parallel",
+        "ddp",
+        "--no-compile",
+        "--no-ac",
+        "--dropout",
+        "0.1",
+        nproc=1,
+        launcher="warm",
+        timeout=TIMEOUT,
+    )
     assert "OK: ddp, no AC, eager on 1 rank(s)" in assert_ok(result)
-    (saved, plain, graphs, _, _), = figures(result, 1).values()
+    ((saved, plain, graphs, _, _),) = figures(result, 1).values()
     assert saved == plain and graphs == 0, result  # the same eager model saves the same tensors
 
 
 def test_warm_3_fsdp_other_order():  # one compile over the sharded model: GPT.forward left to eager
     result = run_lesson(LESSON, "--other-order", nproc=3, launcher="warm", timeout=TIMEOUT)
-    assert "OK: fsdp, checkpointed, compiled (aot_eager) in another order on 3 rank(s)" in assert_ok(result)
+    assert (
+        "OK: fsdp, checkpointed, compiled (aot_eager) in another order on 3 rank(s)"
+        in assert_ok(result)
+    )
     for saved, plain, graphs, _, eager in figures(result, 3).values():
         assert saved < plain / 2 and eager >= 1, result
 
@@ -65,11 +91,33 @@ def test_warm_4_fsdp_checkpointed_eager():  # 4 ranks without compile (cheap): A
 
 
 def test_recompute_without_the_rng_state_fails():  # dropout draws other masks in backward's recomputation
-    result = run_lesson(LESSON, "--parallel", "ddp", "--no-compile", "--dropout", "0.1", "--no-preserve-rng-state",
-                        nproc=2, launcher="warm", timeout=TIMEOUT)
+    result = run_lesson(
+        LESSON,
+        "--parallel",
+        "ddp",
+        "--no-compile",
+        "--dropout",
+        "0.1",
+        "--no-preserve-rng-state",
+        nproc=2,
+        launcher="warm",
+        timeout=TIMEOUT,
+    )
     assert_fails(result, "ddp, checkpointed, eager: losses differ from one process's plain model")
 
 
 def test_bad_flag_is_one_line():
-    assert_fails(run_lesson(LESSON, "--parallel", "ddp", "--bucket-cap-mb", "0.5", nproc=2, launcher="warm",
-                            timeout=TIMEOUT), "--bucket-cap-mb 0.5 with --compile: DDPOptimizer asserts", within=2)
+    assert_fails(
+        run_lesson(
+            LESSON,
+            "--parallel",
+            "ddp",
+            "--bucket-cap-mb",
+            "0.5",
+            nproc=2,
+            launcher="warm",
+            timeout=TIMEOUT,
+        ),
+        "--bucket-cap-mb 0.5 with --compile: DDPOptimizer asserts",
+        within=2,
+    )

@@ -1,6 +1,7 @@
 """The DDP feature lessons of ddp_basics/ (issue 5, second half): each under real torchrun at 2 ranks,
 under the warm launcher at 3, and once as `python lesson.py --nproc 2`; figures from the output
 checked, and bad starts that must fail cleanly."""
+
 import re
 
 import pytest
@@ -35,20 +36,31 @@ def check_output(name, nproc, result):
         assert out.count("finished its") == 1, out
         # rank r reads batches + r batches, rank after rank: together every batch exactly once (at 3
         # ranks the old offset r * (batches + r) had rank 2 read 10..14 of 0..11 and skip 3, 8, 9)
-        ran = re.findall(r"^\[rank (\d+)\] with Join: ran its (\d+) batches \((\d+)\.\.(\d+) of 0\.\.(\d+)\)", out, re.M)
+        ran = re.findall(
+            r"^\[rank (\d+)\] with Join: ran its (\d+) batches \((\d+)\.\.(\d+) of 0\.\.(\d+)\)",
+            out,
+            re.M,
+        )
         assert [int(r[0]) for r in ran] == list(range(nproc)), out
         read = [b for _, n, lo, hi, _ in ran for b in range(int(lo), int(hi) + 1)]
-        assert read == list(range(int(ran[0][4]) + 1)) and [int(n) for _, n, *_ in ran] == [3 + r for r in range(nproc)], out
+        assert read == list(range(int(ran[0][4]) + 1)) and [int(n) for _, n, *_ in ran] == [
+            3 + r for r in range(nproc)
+        ], out
     if name == "syncbatchnorm.py":
         rows = re.findall(r"\] (\d+) rows;", out)
         assert len(rows) == nproc, out
     if name == "ddp_mixed_precision.py":  # both 16-bit modes run and are checked on every device
         for mode in ("bf16 autocast", r"fp16 autocast \+ GradScaler"):
-            diff = re.search(rf"{mode}: held-out loss \S+ \(\|diff\| to fp32 (\S+), tolerance (\S+)\)", out)
+            diff = re.search(
+                rf"{mode}: held-out loss \S+ \(\|diff\| to fp32 (\S+), tolerance (\S+)\)", out
+            )
             assert diff and float(diff.group(1)) <= float(diff.group(2)), out
         assert re.search(r"GradScaler scale 65536 -> \d+", out), out
     if name == "ddp_comm_hooks.py":
-        sent = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\S+).*bytes sent per step\s+(\d+)", out, re.M)}
+        sent = {
+            m.group(1): int(m.group(2))
+            for m in re.finditer(r"^(\S+).*bytes sent per step\s+(\d+)", out, re.M)
+        }
         assert sent["fp16_compress_hook"] * 2 == sent["allreduce_hook"] > sent["PowerSGD"] > 0, out
     if name == "dataparallel_vs_ddp.py":
         assert re.search(rf"DDP, {nproc} processes on \w+: [\d.]+ ms/step", out), out
@@ -59,11 +71,21 @@ def check_output(name, nproc, result):
 
 
 # Real torchrun at 2 ranks; at 3 the harness's warm launcher (torchrun's environment, ranks forked).
-@pytest.mark.parametrize("name,nproc", [pytest.param(n, k, marks=[pytest.mark.quick] * (k == 3))  # quick: warm
-                                        for n, sizes in LESSONS.items() for k in sizes])
+@pytest.mark.parametrize(
+    "name,nproc",
+    [
+        pytest.param(n, k, marks=[pytest.mark.quick] * (k == 3))  # quick: warm
+        for n, sizes in LESSONS.items()
+        for k in sizes
+    ],
+)
 def test_torchrun(name, nproc):
-    result = run_lesson(f"ddp_basics/{name}", nproc=nproc, launcher="torchrun" if nproc == 2 else "warm",
-                        timeout=TIMEOUT)
+    result = run_lesson(
+        f"ddp_basics/{name}",
+        nproc=nproc,
+        launcher="torchrun" if nproc == 2 else "warm",
+        timeout=TIMEOUT,
+    )
     assert_ok(result)
     check_output(name, nproc, result)
 
@@ -76,30 +98,64 @@ def test_python_launcher(name, nproc):
 
 
 def test_mixed_precision_without_unscale_fails():  # clipping the scaled fp16 gradients: fp16 barely trains
-    assert_fails(run_lesson("ddp_basics/ddp_mixed_precision.py", "--skip-unscale", nproc=2, launcher="warm",
-                            timeout=TIMEOUT),
-                 "fp16 autocast + GradScaler ends")
+    assert_fails(
+        run_lesson(
+            "ddp_basics/ddp_mixed_precision.py",
+            "--skip-unscale",
+            nproc=2,
+            launcher="warm",
+            timeout=TIMEOUT,
+        ),
+        "fp16 autocast + GradScaler ends",
+    )
 
 
 def test_uneven_inputs_needs_two_ranks():
-    assert_fails(run_lesson("ddp_basics/ddp_uneven_inputs.py", nproc=1, launcher="warm", timeout=TIMEOUT),
-                 "needs at least 2 ranks", within=1)
+    assert_fails(
+        run_lesson("ddp_basics/ddp_uneven_inputs.py", nproc=1, launcher="warm", timeout=TIMEOUT),
+        "needs at least 2 ranks",
+        within=1,
+    )
 
 
 def test_benchmark_batch_must_divide():
-    assert_fails(run_lesson("ddp_basics/benchmark_ddp.py", "--batch", "100", nproc=3, launcher="warm", timeout=TIMEOUT),
-                 "must divide by 3 ranks", within=3)
+    assert_fails(
+        run_lesson(
+            "ddp_basics/benchmark_ddp.py",
+            "--batch",
+            "100",
+            nproc=3,
+            launcher="warm",
+            timeout=TIMEOUT,
+        ),
+        "must divide by 3 ranks",
+        within=3,
+    )
 
 
 def test_unused_parameters_batch_must_divide():
-    assert_fails(run_lesson("ddp_basics/ddp_unused_parameters.py", "--batch", "10", nproc=3, launcher="warm",
-                            timeout=TIMEOUT),
-                 "must divide by 3 ranks", within=3)
+    assert_fails(
+        run_lesson(
+            "ddp_basics/ddp_unused_parameters.py",
+            "--batch",
+            "10",
+            nproc=3,
+            launcher="warm",
+            timeout=TIMEOUT,
+        ),
+        "must divide by 3 ranks",
+        within=3,
+    )
 
 
 def test_grad_accumulation_needs_whole_micro_batches():
     # 1536 examples on 5 ranks: 308 each, so the last micro-batch held 4 and the lesson, weighting
     # every micro-batch 1/accum, trained on a different loss than the large batch (it said so with a
     # RuntimeError and a traceback, not a usage line)
-    assert_fails(run_lesson("ddp_basics/ddp_grad_accumulation.py", nproc=5, launcher="warm", timeout=TIMEOUT),
-                 "make --train a multiple of 64 x ranks", within=5)
+    assert_fails(
+        run_lesson(
+            "ddp_basics/ddp_grad_accumulation.py", nproc=5, launcher="warm", timeout=TIMEOUT
+        ),
+        "make --train a multiple of 64 x ranks",
+        within=5,
+    )

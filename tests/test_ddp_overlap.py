@@ -2,6 +2,7 @@
 `python lesson.py --nproc 3`, the warm launcher at 1 and 4; the comm hook's division and gradient_as_bucket_view
 removed on purpose must each fail their check; a bad flag is one line per rank. Nothing here looks at a time
 (the machine is loaded): only at the structure of the timeline and at the checks' figures."""
+
 import re
 
 import pytest
@@ -12,8 +13,13 @@ LESSON, T = "ddp_basics/ddp_overlap.py", 240
 WIDTH, DEPTH = 256, 3  # the lesson's defaults
 LAYERS = [f"net.{2 * i}" for i in range(DEPTH + 2)]  # toy.MLP: Linear, Tanh, Linear, ... Linear
 MODEL_BYTES = 4 * ((2 + 1) * WIDTH + DEPTH * (WIDTH + 1) * WIDTH + (WIDTH + 1) * 4)
-HEADER = re.compile(r"^bucket_cap_mb=(\S+), gradient_as_bucket_view=(True|False): (\d+) bucket\(s\); last step's", re.M)
-ROW = re.compile(r"^\[rank (\d+)\]   (backward net\.\d+|all_reduce bucket \d+) +(\S+) \.\. +(\S+) \|[ #=]+\| (.*)$")
+HEADER = re.compile(
+    r"^bucket_cap_mb=(\S+), gradient_as_bucket_view=(True|False): (\d+) bucket\(s\); last step's",
+    re.M,
+)
+ROW = re.compile(
+    r"^\[rank (\d+)\]   (backward net\.\d+|all_reduce bucket \d+) +(\S+) \.\. +(\S+) \|[ #=]+\| (.*)$"
+)
 
 
 def blocks(out):
@@ -21,7 +27,7 @@ def blocks(out):
     found, heads = {}, list(HEADER.finditer(out))
     for head, nxt in zip(heads, heads[1:] + [None]):
         rows = {}
-        for line in out[head.end():nxt.start() if nxt else len(out)].splitlines():
+        for line in out[head.end() : nxt.start() if nxt else len(out)].splitlines():
             if m := ROW.match(line):
                 rows.setdefault(int(m[1]), []).append((m[2], float(m[3]), float(m[4]), m[5]))
         found[head[1], head[2] == "True"] = (int(head[3]), rows)
@@ -39,22 +45,34 @@ def check_output(result, nproc):
         for rank, events in rows.items():
             names = [what for what, *_ in events]
             # one row per Linear layer and one per bucket, each ending after it starts, sorted by start
-            assert sorted(names) == sorted([f"backward {n}" for n in LAYERS] +
-                                           [f"all_reduce bucket {i}" for i in range(buckets)]), (rank, names)
+            assert sorted(names) == sorted(
+                [f"backward {n}" for n in LAYERS]
+                + [f"all_reduce bucket {i}" for i in range(buckets)]
+            ), (rank, names)
             assert all(a <= b for _, a, b, _ in events) and [a for _, a, _, _ in events] == sorted(
-                a for _, a, _, _ in events), (rank, events)
-            held = [layer for what, _, _, note in events if what.startswith("all_reduce") for layer in note.split(", ")]
+                a for _, a, _, _ in events
+            ), (rank, events)
+            held = [
+                layer
+                for what, _, _, note in events
+                if what.startswith("all_reduce")
+                for layer in note.split(", ")
+            ]
             assert set(held) == set(LAYERS), (rank, held)  # every layer travels in some bucket
     # the model fits DDP's 1 MiB first bucket: one bucket by default; smaller caps, more buckets
     assert MODEL_BYTES < 2**20 and found["default", False][0] == 1, out
     assert 1 < found["0.5", False][0] < found["0.25", False][0] == found["0.25", True][0], out
     assert out.count("iff gradient_as_bucket_view: yes") == nproc, out
-    diffs = re.findall(r"^bucket_cap_mb=.*: max \|parameter - one process\| (\S+) \(bound (\S+)\)$", out, re.M)
+    diffs = re.findall(
+        r"^bucket_cap_mb=.*: max \|parameter - one process\| (\S+) \(bound (\S+)\)$", out, re.M
+    )
     assert len(diffs) == 4 and all(float(d) <= float(b) <= 1e-5 for d, b in diffs), out
 
 
-@pytest.mark.parametrize("nproc,launcher", [(2, "torchrun"), (3, "python"),
-                                            pytest.param(1, "warm", marks=pytest.mark.quick), (4, "warm")])
+@pytest.mark.parametrize(
+    "nproc,launcher",
+    [(2, "torchrun"), (3, "python"), pytest.param(1, "warm", marks=pytest.mark.quick), (4, "warm")],
+)
 def test_ddp_overlap(nproc, launcher):
     check_output(run_lesson(LESSON, nproc=nproc, launcher=launcher, timeout=T), nproc)
 
@@ -62,14 +80,22 @@ def test_ddp_overlap(nproc, launcher):
 def test_summing_instead_of_averaging_fails():
     result = run_lesson(LESSON, "--no-divide", nproc=2, launcher="warm", timeout=T)
     assert_fails(result, "parameters differ from one process's beyond 1e-05")
-    assert "iff gradient_as_bucket_view: yes" in result.stdout, result  # the other check still passes
+    assert "iff gradient_as_bucket_view: yes" in result.stdout, (
+        result
+    )  # the other check still passes
 
 
 def test_without_gradient_as_bucket_view_fails():
     result = run_lesson(LESSON, "--ignore-view", nproc=2, launcher="warm", timeout=T)
-    assert_fails(result, "bucket_cap_mb=0.25, gradient_as_bucket_view=True: gradients inside the bucket buffers: []")
+    assert_fails(
+        result,
+        "bucket_cap_mb=0.25, gradient_as_bucket_view=True: gradients inside the bucket buffers: []",
+    )
 
 
 def test_bad_flag_is_one_line():
-    assert_fails(run_lesson(LESSON, "--small-mb", "0", nproc=2, launcher="warm", timeout=T),
-                 "--small-mb above 0", within=2)
+    assert_fails(
+        run_lesson(LESSON, "--small-mb", "0", nproc=2, launcher="warm", timeout=T),
+        "--small-mb above 0",
+        within=2,
+    )

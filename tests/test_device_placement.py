@@ -4,6 +4,7 @@ On a GPU node the lessons use NCCL, which rejects CPU tensors; on the CPU machin
 suite everything is on the CPU, so a tensor or module left there passes unseen. The lint reads
 every lesson and demands that each tensor factory and each module says where it lives.
 """
+
 import textwrap
 
 import pytest
@@ -14,7 +15,9 @@ from harness import ROOT
 
 def test_every_lesson_says_where_its_tensors_and_modules_live():
     problems = lint(ROOT)
-    assert not problems, "tensors or modules that would stay on the CPU on a GPU run:\n" + "\n".join(problems)
+    assert not problems, (
+        "tensors or modules that would stay on the CPU on a GPU run:\n" + "\n".join(problems)
+    )
 
 
 def lint_snippet(tmp_path, code):
@@ -24,16 +27,35 @@ def lint_snippet(tmp_path, code):
 
 
 BAD = {
-    "factory without a device": ("t = torch.zeros(4)\ndist.all_reduce(t)", "torch.zeros(...) does not say"),
+    "factory without a device": (
+        "t = torch.zeros(4)\ndist.all_reduce(t)",
+        "torch.zeros(...) does not say",
+    ),
     "from_numpy left on the host": ("t = torch.from_numpy(a)", "torch.from_numpy"),
-    "CPU generator on the device": ("t = torch.randn(4, generator=g, device=ctx.device)", "generator=...) on a non-CPU"),
-    "module never moved": ("model = nn.Linear(2, 2)\nDDP(model)", "nn.Linear(...) builds parameters"),
-    "repo module never moved": ("class Net(nn.Module):\n    pass\ndef f():\n    ref = Net()\n    ref(x)",
-                                "Net(...) builds parameters"),
-    "load without map_location": ("sd = torch.load(path, weights_only=True)", "without map_location"),
-    "load that unpickles": ("sd = torch.load(path, map_location='cpu')", "without weights_only=True"),
-    "factory in forward": ("class Net(nn.Module):\n    def forward(self, x):\n        return x + torch.arange(3)",
-                           "torch.arange(...) does not say"),
+    "CPU generator on the device": (
+        "t = torch.randn(4, generator=g, device=ctx.device)",
+        "generator=...) on a non-CPU",
+    ),
+    "module never moved": (
+        "model = nn.Linear(2, 2)\nDDP(model)",
+        "nn.Linear(...) builds parameters",
+    ),
+    "repo module never moved": (
+        "class Net(nn.Module):\n    pass\ndef f():\n    ref = Net()\n    ref(x)",
+        "Net(...) builds parameters",
+    ),
+    "load without map_location": (
+        "sd = torch.load(path, weights_only=True)",
+        "without map_location",
+    ),
+    "load that unpickles": (
+        "sd = torch.load(path, map_location='cpu')",
+        "without weights_only=True",
+    ),
+    "factory in forward": (
+        "class Net(nn.Module):\n    def forward(self, x):\n        return x + torch.arange(3)",
+        "torch.arange(...) does not say",
+    ),
 }
 
 

@@ -2,12 +2,15 @@
 Each lesson: real torchrun at 3 ranks (uneven pieces), `python lesson.py --nproc 2`, the warm launcher at 4; its
 taught step removed on purpose (from_local without shape, to_local read as the value, a relabel instead of
 redistribute, cross_entropy outside loss_parallel) must fail its check; a bad flag stops every rank with one line."""
+
 import re
 
 import pytest
 from harness import assert_fails, assert_ok, run_lesson
 
-BASICS, REDISTRIBUTE, LOSS = (f"primitives/dtensor_{name}.py" for name in ("basics", "redistribute", "loss_parallel"))
+BASICS, REDISTRIBUTE, LOSS = (
+    f"primitives/dtensor_{name}.py" for name in ("basics", "redistribute", "loss_parallel")
+)
 T = 240  # seconds: generous, the CI machine is small and shared
 LAUNCHERS = [(3, "torchrun"), (2, "python"), pytest.param(4, "warm", marks=pytest.mark.quick)]
 
@@ -23,14 +26,28 @@ def test_dtensor_basics(nproc, launcher):
     result = run_lesson(BASICS, nproc=nproc, launcher=launcher, timeout=T)
     ok = assert_ok(result)
     assert ok.startswith(f"OK: 10 rows over {nproc} rank(s) as Shard(0)"), ok
-    pieces = re.findall(r"^\[rank (\d+)\] rows S\(0\) of \(10, 4\): local piece \((\d+), 4\).*; noise (\[.*\])$",
-                        result.stdout, re.M)
-    assert [(int(r), int(k)) for r, k, _ in pieces] == list(enumerate(chunk_sizes(10, nproc))), result.stdout
+    pieces = re.findall(
+        r"^\[rank (\d+)\] rows S\(0\) of \(10, 4\): local piece \((\d+), 4\).*; noise (\[.*\])$",
+        result.stdout,
+        re.M,
+    )
+    assert [(int(r), int(k)) for r, k, _ in pieces] == list(enumerate(chunk_sizes(10, nproc))), (
+        result.stdout
+    )
     # CPU: no DTensor RNG tracker, every rank draws from its own generator with the same seed
-    assert len({noise for *_, noise in pieces}) == 1 and "every shard drew the same numbers (CPU)" in ok, ok
-    for name, placement in [("from_local(Partial)", "P(sum)"), ("rows @ w", "S(0)"),
-                            ("Shard(1) @ Shard(0)", "P(sum)"), ("rows.sum()", "P(sum)")]:
-        assert f"{name}: placement {placement}, full_tensor matches plain torch: True" in result.stdout, result.stdout
+    assert (
+        len({noise for *_, noise in pieces}) == 1
+        and "every shard drew the same numbers (CPU)" in ok
+    ), ok
+    for name, placement in [
+        ("from_local(Partial)", "P(sum)"),
+        ("rows @ w", "S(0)"),
+        ("Shard(1) @ Shard(0)", "P(sum)"),
+        ("rows.sum()", "P(sum)"),
+    ]:
+        assert (
+            f"{name}: placement {placement}, full_tensor matches plain torch: True" in result.stdout
+        ), result.stdout
     assert "the three ops ran on the local pieces: 0 collectives" in result.stdout, result.stdout
 
 
@@ -39,37 +56,50 @@ def test_dtensor_basics_from_local_without_shape_fails():
     # 10 rows as 4, 4, 2: from_local assumes even pieces, local rows x 3 (12 on rank 0)
     assert_fails(result, "from_local gave global shape")
     # whichever rank stops first: it took its local rows x 3 for the global row count, not 10
-    rank, rows = map(int, re.search(r"rank (\d): from_local gave global shape \((\d+), 4\), not \(10, 4\)",
-                                    result.output).groups())
+    rank, rows = map(
+        int,
+        re.search(
+            r"rank (\d): from_local gave global shape \((\d+), 4\), not \(10, 4\)", result.output
+        ).groups(),
+    )
     assert rows == 3 * chunk_sizes(10, 3)[rank], result.output
 
 
 def test_dtensor_basics_local_piece_is_not_the_value():
     result = run_lesson(BASICS, "--local-as-full", nproc=3, launcher="warm", timeout=T)
-    assert_fails(result, "from_local(Partial): placement P(sum), full_tensor matches plain torch: False")
-    assert re.search(r"rank \d: from_local\(Partial\): placement P\(sum\) \(expected P\(sum\)\), value not equal",
-                     result.output), result.output
+    assert_fails(
+        result, "from_local(Partial): placement P(sum), full_tensor matches plain torch: False"
+    )
+    assert re.search(
+        r"rank \d: from_local\(Partial\): placement P\(sum\) \(expected P\(sum\)\), value not equal",
+        result.output,
+    ), result.output
 
 
 def test_dtensor_basics_a_seed_per_rank_fails_the_random_check():
     result = run_lesson(BASICS, "--seed-per-rank", nproc=2, launcher="warm", timeout=T)
-    assert_fails(result, "rand_like on CPU: ranks [1] did not draw what a generator seeded with --seed 0 draws",
-                 within=2)
+    assert_fails(
+        result,
+        "rand_like on CPU: ranks [1] did not draw what a generator seeded with --seed 0 draws",
+        within=2,
+    )
 
 
 # What each move costs on Gloo/CPU, as the lesson counts it (Shard -> Shard: an all_gather and a chunk, since
 # DTensor's shard_dim_alltoall falls back on CPU: torch/distributed/tensor/_collective_utils.py).
-CPU_TABLE = {"distribute_tensor -> Shard(0)": ("scatter x1", "S(0)"),
-             "distribute_tensor -> Replicate": ("broadcast x1", "R"),
-             "Shard(0) -> Replicate": ("all_gather_into_tensor x1", "R"),
-             "Partial -> Replicate": ("all_reduce x1", "R"),
-             "Partial -> Shard(0)": ("reduce_scatter_tensor x1", "S(0)"),
-             "Shard(0) -> Shard(1)": ("all_gather_into_tensor x1", "S(1)"),
-             "Shard(1) -> Shard(0)": ("all_gather_into_tensor x1", "S(0)"),
-             "Replicate -> Shard(0)": ("none", "S(0)"),
-             "Replicate -> Partial": ("none", "refused: Can not redistribute from R to P(sum)"),
-             "Shard(0).full_tensor()": ("all_gather_into_tensor x1", "a plain tensor"),
-             "Partial.full_tensor()": ("all_reduce x1", "a plain tensor")}
+CPU_TABLE = {
+    "distribute_tensor -> Shard(0)": ("scatter x1", "S(0)"),
+    "distribute_tensor -> Replicate": ("broadcast x1", "R"),
+    "Shard(0) -> Replicate": ("all_gather_into_tensor x1", "R"),
+    "Partial -> Replicate": ("all_reduce x1", "R"),
+    "Partial -> Shard(0)": ("reduce_scatter_tensor x1", "S(0)"),
+    "Shard(0) -> Shard(1)": ("all_gather_into_tensor x1", "S(1)"),
+    "Shard(1) -> Shard(0)": ("all_gather_into_tensor x1", "S(0)"),
+    "Replicate -> Shard(0)": ("none", "S(0)"),
+    "Replicate -> Partial": ("none", "refused: Can not redistribute from R to P(sum)"),
+    "Shard(0).full_tensor()": ("all_gather_into_tensor x1", "a plain tensor"),
+    "Partial.full_tensor()": ("all_reduce x1", "a plain tensor"),
+}
 
 
 @pytest.mark.parametrize("nproc,launcher", LAUNCHERS)
@@ -77,10 +107,17 @@ def test_dtensor_redistribute(nproc, launcher):
     result = run_lesson(REDISTRIBUTE, nproc=nproc, launcher=launcher, timeout=T)
     ok = assert_ok(result)
     assert ok.startswith(f"OK: 11 moves over {nproc} rank(s) (10 x 6)"), ok
-    rows = {m[0].strip(): (m[1].strip(), m[2].strip()) for m in
-            re.findall(r"^(.{32}) (.{36}) (.+)$", result.stdout, re.M) if m[0].strip() in CPU_TABLE}
+    rows = {
+        m[0].strip(): (m[1].strip(), m[2].strip())
+        for m in re.findall(r"^(.{32}) (.{36}) (.+)$", result.stdout, re.M)
+        if m[0].strip() in CPU_TABLE
+    }
     for move, (calls, placement) in CPU_TABLE.items():
-        assert rows[move][0] == calls and rows[move][1].startswith(placement), (move, rows.get(move), result.stdout)
+        assert rows[move][0] == calls and rows[move][1].startswith(placement), (
+            move,
+            rows.get(move),
+            result.stdout,
+        )
     sizes = chunk_sizes(10, nproc)
     for r in range(nproc):
         assert f"[rank {r}] my pieces: ({sizes[r]}, 6), (10, 6)" in result.stdout, result.stdout
@@ -90,8 +127,13 @@ def test_dtensor_redistribute_relabel_fails():
     result = run_lesson(REDISTRIBUTE, "--relabel", nproc=3, launcher="warm", timeout=T)
     assert_fails(result, "is not my R piece of the plain tensor")
     # whichever rank stops first: the relabelled Shard(0) piece it kept, not the (10, 6) a Replicate holds
-    rank, rows = map(int, re.search(r"rank (\d): Shard\(0\) -> Replicate: my piece \((\d+), 6\) is not my R piece",
-                                    result.output).groups())
+    rank, rows = map(
+        int,
+        re.search(
+            r"rank (\d): Shard\(0\) -> Replicate: my piece \((\d+), 6\) is not my R piece",
+            result.output,
+        ).groups(),
+    )
     assert rows == chunk_sizes(10, 3)[rank], result.output
 
 
@@ -99,12 +141,21 @@ def test_dtensor_redistribute_relabel_fails():
 def test_dtensor_loss_parallel(nproc, launcher):
     result = run_lesson(LOSS, nproc=nproc, launcher=launcher, timeout=T)
     ok = assert_ok(result)
-    assert ok.startswith(f"OK: cross-entropy on logits sharded by class over {nproc} rank(s) (8 x 16)"), ok
-    shapes = re.findall(r"^\[rank (\d+)\] logits \(8, 16\) split by class: local logits \(8, (\d+)\), "
-                        r"local gradient \(8, (\d+)\)$", result.stdout, re.M)
+    assert ok.startswith(
+        f"OK: cross-entropy on logits sharded by class over {nproc} rank(s) (8 x 16)"
+    ), ok
+    shapes = re.findall(
+        r"^\[rank (\d+)\] logits \(8, 16\) split by class: local logits \(8, (\d+)\), "
+        r"local gradient \(8, (\d+)\)$",
+        result.stdout,
+        re.M,
+    )
     assert [(int(r), int(a), int(b)) for r, a, b in shapes] == [
-        (r, k, k) for r, k in enumerate(chunk_sizes(16, nproc))], result.stdout
-    assert "collectives on each rank, forward and backward: {'all_reduce': 3}" in result.stdout, result.stdout
+        (r, k, k) for r, k in enumerate(chunk_sizes(16, nproc))
+    ], result.stdout
+    assert "collectives on each rank, forward and backward: {'all_reduce': 3}" in result.stdout, (
+        result.stdout
+    )
     errs = re.search(r"relative error (\S+), gradient (\S+) \(bound (\S+)\)", result.stdout)
     assert errs and max(float(errs[1]), float(errs[2])) <= float(errs[3]), result.stdout
 
@@ -114,7 +165,9 @@ def test_dtensor_loss_parallel_outside_the_context_gathers():
     assert_fails(result, "the logits were gathered ({'all_gather_into_tensor': 1})")
 
 
-@pytest.mark.parametrize("lesson,flag", [(BASICS, "--rows"), (REDISTRIBUTE, "--cols"), (LOSS, "--classes")])
+@pytest.mark.parametrize(
+    "lesson,flag", [(BASICS, "--rows"), (REDISTRIBUTE, "--cols"), (LOSS, "--classes")]
+)
 def test_dtensor_bad_flag(lesson, flag):
     result = run_lesson(lesson, flag, "0", nproc=2, launcher="warm", timeout=T)
     assert_fails(result, "must be at least 1", within=2)

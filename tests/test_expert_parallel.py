@@ -1,6 +1,7 @@
 """Issue 16: expert parallelism (transformer_basics/expert_parallel.py). Real torchrun at 2 ranks, `python lesson.py
 --nproc 1`, the warm launcher at 4 and at 3 (12 experts, top-3); each taught step removed on purpose (the count
 exchange, the differentiable all_to_all, the unsort before the combine, the aux loss's gradient) must fail; 8 experts on 3 ranks is refused."""
+
 import re
 
 import pytest
@@ -8,8 +9,11 @@ from harness import assert_fails, assert_ok, run_lesson
 
 LESSON = "transformer_basics/expert_parallel.py"
 T = 240  # seconds: generous, the CI machine is small and shared
-ROUTED = re.compile(r"^\[rank (\d+)\] experts (\d+)\.\.(\d+): sends \[([\d, ]+)\] rows to ranks 0\.\.\d+, "
-                    r"receives \[([\d, ]+)\]; its experts run on \[([\d, ]+)\] rows; aux loss (\S+)$", re.M)
+ROUTED = re.compile(
+    r"^\[rank (\d+)\] experts (\d+)\.\.(\d+): sends \[([\d, ]+)\] rows to ranks 0\.\.\d+, "
+    r"receives \[([\d, ]+)\]; its experts run on \[([\d, ]+)\] rows; aux loss (\S+)$",
+    re.M,
+)
 ERRORS = re.compile(r"^\[rank (\d+)\] max relative error: (.+)$", re.M)
 NAMES = ["output", "aux loss", "input gradient", "router gradient", "W1 gradient", "W2 gradient"]
 
@@ -38,19 +42,28 @@ def check_errors(out, nproc):
     found = ERRORS.findall(out)
     assert [int(r) for r, _ in found] == list(range(nproc)), out
     for _, text in found:
-        errors = {name: float(err) for name, err in (item.rsplit(" ", 1) for item in text.split(", "))}
+        errors = {
+            name: float(err) for name, err in (item.rsplit(" ", 1) for item in text.split(", "))
+        }
         assert list(errors) == NAMES and max(errors.values()) < 1e-5, text
 
 
-@pytest.mark.parametrize("nproc,launcher,args", [
-    (2, "torchrun", ()), (1, "python", ()),
-    pytest.param(4, "warm", (), marks=pytest.mark.quick),
-    (3, "warm", ("--experts", "12", "--top-k", "3"))])
+@pytest.mark.parametrize(
+    "nproc,launcher,args",
+    [
+        (2, "torchrun", ()),
+        (1, "python", ()),
+        pytest.param(4, "warm", (), marks=pytest.mark.quick),
+        (3, "warm", ("--experts", "12", "--top-k", "3")),
+    ],
+)
 def test_expert_parallel(nproc, launcher, args):
     result = run_lesson(LESSON, *args, nproc=nproc, launcher=launcher, timeout=T)
     experts, top_k = (12, 3) if args else (8, 2)
-    assert assert_ok(result).startswith(f"OK: expert parallelism over {nproc} rank(s), {experts} experts, "
-                                        f"top-{top_k} dropless: output, aux loss and every gradient equal"), result
+    assert assert_ok(result).startswith(
+        f"OK: expert parallelism over {nproc} rank(s), {experts} experts, "
+        f"top-{top_k} dropless: output, aux loss and every gradient equal"
+    ), result
     check_routing(result.stdout, nproc, experts, top_k)
     check_errors(result.stdout, nproc)
 
@@ -60,8 +73,11 @@ def test_plain_all_to_all_loses_the_gradients():
     assert_fails(result, "differs from one process beyond")
     # the forward is right; the experts' weights get no gradient (the constant output of dist.all_to_all_single)
     # and the input only the router's part of it
-    assert re.search(r"beyond \S+: input gradient \S+, W1 gradient 1\.0e\+00, W2 gradient 1\.0e\+00$",
-                     result.output, re.M), result
+    assert re.search(
+        r"beyond \S+: input gradient \S+, W1 gradient 1\.0e\+00, W2 gradient 1\.0e\+00$",
+        result.output,
+        re.M,
+    ), result
     assert re.search(r"max relative error: output \S+e-0[6-9]", result.stdout), result
 
 
@@ -75,8 +91,12 @@ def test_aux_detached_fails_the_router_gradient():
     # the aux loss keeps its value but sends the router no gradient: only the gradients through the router differ
     result = run_lesson(LESSON, "--aux-detached", nproc=2, launcher="warm", timeout=T)
     assert_fails(result, "differs from one process beyond")
-    assert re.search(r"beyond \S+: input gradient \S+, router gradient \S+e-0[1-3]$", result.output, re.M), result
-    assert re.search(r"max relative error: output \S+e-0[6-9], aux loss \S+e-0[6-9]", result.stdout), result
+    assert re.search(
+        r"beyond \S+: input gradient \S+, router gradient \S+e-0[1-3]$", result.output, re.M
+    ), result
+    assert re.search(
+        r"max relative error: output \S+e-0[6-9], aux loss \S+e-0[6-9]", result.stdout
+    ), result
 
 
 def test_no_count_exchange_breaks_the_token_exchange():
@@ -87,5 +107,7 @@ def test_no_count_exchange_breaks_the_token_exchange():
 
 def test_experts_not_divisible_is_one_line():
     result = run_lesson(LESSON, nproc=3, launcher="warm", timeout=T)
-    assert_fails(result, "--experts 8 must be a multiple of the 3 ranks: pick --experts 6 or 9", within=3)
+    assert_fails(
+        result, "--experts 8 must be a multiple of the 3 ranks: pick --experts 6 or 9", within=3
+    )
     assert "Traceback" not in result.output, result

@@ -1,5 +1,6 @@
 """The shared setup module and the first two lessons (primitives/hello_distributed.py,
 primitives/init_methods.py), run the way a user runs them."""
+
 import re
 import socket
 
@@ -13,14 +14,22 @@ import launch.dist_setup as setup
 
 # --- the module's decisions, with the machine's accelerators simulated ---------------------
 
+
 @pytest.fixture
 def gpus(monkeypatch):
     """Pretend this machine has n CUDA devices and a CUDA build of torch."""
+
     def pretend(n):
-        monkeypatch.setattr(torch.accelerator, "current_accelerator",
-                            lambda *a, **k: torch.device("cuda") if n else None)
+        monkeypatch.setattr(
+            torch.accelerator,
+            "current_accelerator",
+            lambda *a, **k: torch.device("cuda") if n else None,
+        )
         monkeypatch.setattr(torch.accelerator, "device_count", lambda: n)
-        monkeypatch.setattr(setup.dist, "is_backend_available", lambda b: b == "gloo" or (b == "nccl" and n > 0))
+        monkeypatch.setattr(
+            setup.dist, "is_backend_available", lambda b: b == "gloo" or (b == "nccl" and n > 0)
+        )
+
     return pretend
 
 
@@ -47,19 +56,26 @@ def test_nccl_forced_with_fewer_gpus_than_ranks_is_an_error(gpus):
 
 def test_nccl_without_gpu_is_an_error(gpus):
     gpus(0)
-    with pytest.raises(setup.UsageError, match="--backend nccl needs a cuda device and this machine has none"):
+    with pytest.raises(
+        setup.UsageError, match="--backend nccl needs a cuda device and this machine has none"
+    ):
         setup.choose_device(0, 2, backend="nccl")
 
 
 def test_cuda_device_without_gpu_is_an_error(gpus):
     gpus(0)
-    with pytest.raises(setup.UsageError, match="--device cuda needs a cuda device and this machine has none"):
+    with pytest.raises(
+        setup.UsageError, match="--device cuda needs a cuda device and this machine has none"
+    ):
         setup.choose_device(0, 2, device="cuda")
 
 
 def test_gloo_lets_ranks_share_a_gpu(gpus):
     gpus(1)
-    assert setup.choose_device(2, 3, backend="gloo", device="cuda") == (torch.device("cuda", 0), "gloo")
+    assert setup.choose_device(2, 3, backend="gloo", device="cuda") == (
+        torch.device("cuda", 0),
+        "gloo",
+    )
 
 
 def test_gloo_alone_means_cpu_even_with_gpus(gpus):
@@ -73,8 +89,12 @@ def test_device_alone_picks_its_default_backend(gpus):
     assert setup.choose_device(3, 4, device="cpu") == (torch.device("cpu"), "gloo")
 
 
-@pytest.mark.parametrize("n_gpus,min_ranks,expected", [(0, 1, 2), (1, 1, 1), (1, 2, 2), (8, 1, 8), (8, 2, 8)])
-def test_plain_python_starts_one_rank_per_gpu_and_at_least_min_ranks(gpus, n_gpus, min_ranks, expected):
+@pytest.mark.parametrize(
+    "n_gpus,min_ranks,expected", [(0, 1, 2), (1, 1, 1), (1, 2, 2), (8, 1, 8), (8, 2, 8)]
+)
+def test_plain_python_starts_one_rank_per_gpu_and_at_least_min_ranks(
+    gpus, n_gpus, min_ranks, expected
+):
     gpus(n_gpus)
     args = setup.lesson_parser("", min_ranks=min_ranks).parse_args([])
     assert setup.default_nproc(args) == expected
@@ -96,13 +116,17 @@ def assert_no_rank_traceback(result, launcher):
 
 # --- hello_distributed.py -----------------------------------------------------------------
 
+
 def rank_lines(result, pattern):
     return [int(m.group(1)) for m in re.finditer(pattern, result.stdout, re.MULTILINE)]
 
 
 # real torchrun at 2 ranks (the reader's command); the warm launcher (torchrun's environment, ranks
 # forked) at the other sizes; the lesson's own --nproc path at one rank (no process started) and at 3
-HELLO = [pytest.param(n, "torchrun" if n == 2 else "warm", marks=[pytest.mark.quick] * (n == 2)) for n in (1, 2, 3, 4)]
+HELLO = [
+    pytest.param(n, "torchrun" if n == 2 else "warm", marks=[pytest.mark.quick] * (n == 2))
+    for n in (1, 2, 3, 4)
+]
 HELLO += [(n, "python") for n in (1, 3)]
 
 
@@ -111,32 +135,51 @@ def test_hello_distributed(nproc, launcher):
     result = run_lesson("primitives/hello_distributed.py", nproc=nproc, launcher=launcher)
     ok = assert_ok(result)
     assert f"= {nproc * (nproc - 1) // 2} = n(n-1)/2" in ok
-    assert rank_lines(result, rf"^rank (\d+)/{nproc} ") == list(range(nproc)), result  # in rank order
+    assert rank_lines(result, rf"^rank (\d+)/{nproc} ") == list(range(nproc)), (
+        result
+    )  # in rank order
     assert f"torchrun={launcher != 'python'}" in result.stdout
 
 
-@pytest.mark.parametrize("launcher", ["warm", "python"])  # dist_setup's torchrun path, and its --nproc path
+@pytest.mark.parametrize(
+    "launcher", ["warm", "python"]
+)  # dist_setup's torchrun path, and its --nproc path
 def test_hello_distributed_nccl_without_gpu_fails_fast_on_every_rank(launcher):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     # With an hour's collective timeout, a rank that waited instead of failing at once is a hang that the
     # harness's time limit catches: no wall-clock bound that a loaded machine could break.
-    result = run_lesson("primitives/hello_distributed.py", "--backend", "nccl", "--timeout", "3600", nproc=2,
-                        launcher=launcher, timeout=240)
+    result = run_lesson(
+        "primitives/hello_distributed.py",
+        "--backend",
+        "nccl",
+        "--timeout",
+        "3600",
+        nproc=2,
+        launcher=launcher,
+        timeout=240,
+    )
     assert_fails(result, "error: NCCL needs one CUDA GPU per rank", within=2)
     assert_no_rank_traceback(result, launcher)
 
 
 # --- init_methods.py ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("method", [pytest.param("env", marks=pytest.mark.quick), "tcp", "file", "store"])
+
+@pytest.mark.parametrize(
+    "method", [pytest.param("env", marks=pytest.mark.quick), "tcp", "file", "store"]
+)
 def test_init_methods(method, tmp_path):
     # real torchrun for env:// (the reader's command), the warm launcher for the others; the file lives in
     # tmp_path, so a stale one can never meet a later run
     launcher = "torchrun" if method == "env" else "warm"
     extra = ["--file", tmp_path / "store_file"] if method == "file" else []
-    result = run_lesson("primitives/init_methods.py", "--init-method", method, *extra, nproc=3, launcher=launcher)
-    assert f"OK: init by {method} gave the same result: sum 3, squares [0, 1, 4]" == assert_ok(result)
+    result = run_lesson(
+        "primitives/init_methods.py", "--init-method", method, *extra, nproc=3, launcher=launcher
+    )
+    assert f"OK: init by {method} gave the same result: sum 3, squares [0, 1, 4]" == assert_ok(
+        result
+    )
 
 
 def test_init_by_file_twice_in_a_row_reuses_nothing(tmp_path):
@@ -144,8 +187,17 @@ def test_init_by_file_twice_in_a_row_reuses_nothing(tmp_path):
     for _ in range(2):  # the same file name twice: works only if the first run removed it
         # the lesson removes the file itself while its group is up (torch's own cleanup, in ~FileStore at
         # interpreter exit, is racy: see init_methods.py), so forked ranks that skip that teardown show it too
-        assert_ok(run_lesson("primitives/init_methods.py", "--init-method", "file", "--file", path, nproc=3,
-                             launcher="warm"))
+        assert_ok(
+            run_lesson(
+                "primitives/init_methods.py",
+                "--init-method",
+                "file",
+                "--file",
+                path,
+                nproc=3,
+                launcher="warm",
+            )
+        )
         assert not path.exists()
 
 
@@ -155,7 +207,9 @@ def test_init_methods_all_in_one_run_spawned():
 
 
 def test_unknown_init_method_is_rejected():
-    result = run_lesson("primitives/init_methods.py", "--init-method", "carrier-pigeon", nproc=2, launcher="warm")
+    result = run_lesson(
+        "primitives/init_methods.py", "--init-method", "carrier-pigeon", nproc=2, launcher="warm"
+    )
     assert_fails(result, "invalid choice: 'carrier-pigeon'", within=2)
 
 
@@ -168,9 +222,21 @@ FIXTURE = "tests/fixtures/skip_collective.py"
 def test_backend_nccl_without_gpu_is_one_line_per_rank(launcher):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    result = run_lesson(FIXTURE, "--mode", "ranks", "--backend", "nccl", "--timeout", "3600", nproc=3,
-                        launcher=launcher, timeout=240)  # failing at once, not by waiting (see above)
-    assert_fails(result, "error: --backend nccl needs a cuda device and this machine has none", within=3)
+    result = run_lesson(
+        FIXTURE,
+        "--mode",
+        "ranks",
+        "--backend",
+        "nccl",
+        "--timeout",
+        "3600",
+        nproc=3,
+        launcher=launcher,
+        timeout=240,
+    )  # failing at once, not by waiting (see above)
+    assert_fails(
+        result, "error: --backend nccl needs a cuda device and this machine has none", within=3
+    )
     assert_no_rank_traceback(result, launcher)
 
 
@@ -182,8 +248,16 @@ def test_too_few_ranks_is_one_line(launcher):
 
 def test_a_missing_rank_is_a_timeout_not_a_hang():
     # --timeout 3 must win over DIST_TIMEOUT=3600: if it did not, the run would hang past the harness's limit
-    result = run_lesson(FIXTURE, "--mode", "hang", "--timeout", "3", nproc=3, timeout=240,
-                        env={"DIST_TIMEOUT": "3600"})
+    result = run_lesson(
+        FIXTURE,
+        "--mode",
+        "hang",
+        "--timeout",
+        "3",
+        nproc=3,
+        timeout=240,
+        env={"DIST_TIMEOUT": "3600"},
+    )
     assert_fails(result, "rank")
 
 
@@ -192,8 +266,9 @@ def test_port_in_use_is_one_line():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = run_lesson(FIXTURE, "--mode", "ranks", nproc=2, launcher="python",
-                            env={"MASTER_PORT": str(port)})
+        result = run_lesson(
+            FIXTURE, "--mode", "ranks", nproc=2, launcher="python", env={"MASTER_PORT": str(port)}
+        )
     assert_fails(result, f"error: port {port} on 127.0.0.1 is in use")
 
 
@@ -212,8 +287,14 @@ UNWRITABLE = {  # lesson -> how it is told where to write ({} is the unwritable 
 @pytest.mark.parametrize("lesson", UNWRITABLE)
 def test_an_unwritable_output_path_is_one_line(lesson, tmp_path):
     blocker = tmp_path / "a_file"
-    blocker.write_text("")  # a directory below a file can never be made, even by root (unlike a chmod)
+    blocker.write_text(
+        ""
+    )  # a directory below a file can never be made, even by root (unlike a chmod)
     args = [a.format(blocker / "out") for a in UNWRITABLE[lesson]]
     result = run_lesson(lesson, *args, nproc=2, launcher="warm", timeout=120)
-    assert_fails(result, "is not a writable directory" if "init_methods" in lesson else "cannot write to", within=2)
+    assert_fails(
+        result,
+        "is not a writable directory" if "init_methods" in lesson else "cannot write to",
+        within=2,
+    )
     assert "Traceback" not in result.output, result

@@ -3,6 +3,7 @@
 figures from the output checked; the checkpoint chain 2 ranks (crash during save) -> 4 ranks
 -> 2 ranks against an uninterrupted run at 3; a bad start. Each launch costs seconds of
 imports (torch, torch._dynamo via torch.optim) per rank, so the runs are as few as that allows."""
+
 import re
 
 import pytest
@@ -10,9 +11,20 @@ import pytest
 from harness import ROOT, assert_fails, assert_ok, run_lesson
 
 TIMEOUT = 240  # the CI machine is small and shared: a launch takes seconds, a hang is caught
-LESSONS = ["zero_by_hand.py", "fsdp_minimal.py", "fsdp_memory.py", "fsdp_mixed_precision.py", "fsdp_offload.py"]
-PYTHON_NPROC = {"zero_by_hand.py": 3, "fsdp_minimal.py": 3, "fsdp_memory.py": 2, "fsdp_mixed_precision.py": 2,
-                "fsdp_offload.py": 2}
+LESSONS = [
+    "zero_by_hand.py",
+    "fsdp_minimal.py",
+    "fsdp_memory.py",
+    "fsdp_mixed_precision.py",
+    "fsdp_offload.py",
+]
+PYTHON_NPROC = {
+    "zero_by_hand.py": 3,
+    "fsdp_minimal.py": 3,
+    "fsdp_memory.py": 2,
+    "fsdp_mixed_precision.py": 2,
+    "fsdp_offload.py": 2,
+}
 NUM = r"([-+\d.e]+)"
 
 
@@ -32,23 +44,36 @@ def check_output(name, nproc, out):
         assert len(ratios) == nproc and all(abs(r - 1 / nproc) < 0.02 for r in ratios), out
         peaks = [int(p) for p in re.findall(r"peak gathered at once (\d+) B", out)]
         largest = int(re.search(r"the largest layer is (\d+) B", out).group(1))
-        assert all(largest <= p <= largest + 4 * (nproc - 1) for p in peaks), out  # one layer at a time, padded
+        assert all(largest <= p <= largest + 4 * (nproc - 1) for p in peaks), (
+            out
+        )  # one layer at a time, padded
     if name == "fsdp_minimal.py":
         within_tolerance(out, "max |param FSDP - param one process|")
-        rows = [int(r) for r in re.findall(r"^\[rank \d\] .*?blocks\.0\.fc\.weight \((\d+), 64\)", out, re.M)]
-        assert len(rows) == nproc and sum(rows) == 64, out  # the shards on dim 0 add up to the weight
+        rows = [
+            int(r)
+            for r in re.findall(r"^\[rank \d\] .*?blocks\.0\.fc\.weight \((\d+), 64\)", out, re.M)
+        ]
+        assert len(rows) == nproc and sum(rows) == 64, (
+            out
+        )  # the shards on dim 0 add up to the weight
         held = re.search(r"(\d+) B with reshard_after_forward=True .*?, (\d+) B with False", out)
         assert held and int(held.group(1)) * nproc <= int(held.group(2)) * 1.1, out
     if name == "fsdp_memory.py":
-        total = re.search(r"^total state\s+([\d,]+)\s+([\d,]+)\s+([\d.]+)\s+([\d.]+)\s+([\d,]+)$", out, re.M)
+        total = re.search(
+            r"^total state\s+([\d,]+)\s+([\d,]+)\s+([\d.]+)\s+([\d.]+)\s+([\d,]+)$", out, re.M
+        )
         assert total, out
         ddp, fsdp, bf16 = (int(total.group(i).replace(",", "")) for i in (1, 2, 5))
         assert abs(fsdp / ddp * nproc - 1) <= 0.10 and bf16 == fsdp, out
         assert len(re.findall(r"^\[rank \d\] FSDP: params", out, re.M)) == nproc, out
     if name == "fsdp_mixed_precision.py":
         within_tolerance(out, "max |diff| over")
-        for what, dtype in (("gathered param", "bfloat16"), ("unsharded grad", "bfloat16"),
-                            ("sharded param", "float32"), ("sharded grad", "float32")):
+        for what, dtype in (
+            ("gathered param", "bfloat16"),
+            ("unsharded grad", "bfloat16"),
+            ("sharded param", "float32"),
+            ("sharded grad", "float32"),
+        ):
             assert re.search(rf"^  {what}\s+torch\.{dtype}", out, re.M), out
     if name == "fsdp_offload.py":
         assert "max |param - normal build| = 0.0e+00" in out, out
@@ -57,11 +82,17 @@ def check_output(name, nproc, out):
 
 
 # Real torchrun at 2 ranks; at 4 the harness's warm launcher (torchrun's environment, ranks forked).
-@pytest.mark.parametrize("name,nproc", [pytest.param(n, k, marks=[pytest.mark.quick] * (k == 4))
-                                        for n in LESSONS for k in (2, 4)])
+@pytest.mark.parametrize(
+    "name,nproc",
+    [pytest.param(n, k, marks=[pytest.mark.quick] * (k == 4)) for n in LESSONS for k in (2, 4)],
+)
 def test_torchrun(name, nproc):
-    result = run_lesson(f"fsdp_basics/{name}", nproc=nproc, launcher="torchrun" if nproc == 2 else "warm",
-                        timeout=TIMEOUT)
+    result = run_lesson(
+        f"fsdp_basics/{name}",
+        nproc=nproc,
+        launcher="torchrun" if nproc == 2 else "warm",
+        timeout=TIMEOUT,
+    )
     assert_ok(result)
     check_output(name, nproc, result.stdout)
 
@@ -80,36 +111,61 @@ def checksum(result):
 
 @pytest.mark.quick  # fsdp_checkpoint's run in the quick tier; the crash-and-reshard test below is the thorough one
 def test_checkpoint_runs_on_the_warm_launcher(tmp_path):
-    ok = assert_ok(run_lesson("fsdp_basics/fsdp_checkpoint.py", "--dir", tmp_path / "ck", nproc=2, launcher="warm",
-                              timeout=TIMEOUT))
+    ok = assert_ok(
+        run_lesson(
+            "fsdp_basics/fsdp_checkpoint.py",
+            "--dir",
+            tmp_path / "ck",
+            nproc=2,
+            launcher="warm",
+            timeout=TIMEOUT,
+        )
+    )
     assert "on 2 ranks" in ok, ok
 
 
 def test_checkpoint_reshard_and_crash(tmp_path):
     lesson, ck = "fsdp_basics/fsdp_checkpoint.py", tmp_path / "ck"
     # 2 ranks save steps 2 and 4, then crash inside the save of step 6, before it is published.
-    crashed = run_lesson(lesson, "--dir", ck, "--stop-at", "6", "--crash-during-save", nproc=2, timeout=TIMEOUT)
+    crashed = run_lesson(
+        lesson, "--dir", ck, "--stop-at", "6", "--crash-during-save", nproc=2, timeout=TIMEOUT
+    )
     assert_fails(crashed, "simulated crash during save")
     assert (ck / "latest").read_text() == "step_000004" and (ck / "step_000006.tmp").is_dir()
     # 4 ranks resume the previous checkpoint (resharded 2 -> 4) and stop after saving step 6.
-    resumed = run_lesson(lesson, "--dir", ck, "--resume", "--stop-at", "6", nproc=4, launcher="warm", timeout=TIMEOUT)
+    resumed = run_lesson(
+        lesson, "--dir", ck, "--resume", "--stop-at", "6", nproc=4, launcher="warm", timeout=TIMEOUT
+    )
     assert_ok(resumed)
-    assert "resumed from step_000004 (written by 2 ranks) at step 4 on 4 ranks" in resumed.stdout, resumed
+    assert "resumed from step_000004 (written by 2 ranks) at step 4 on 4 ranks" in resumed.stdout, (
+        resumed
+    )
     assert (ck / "latest").read_text() == "step_000006" and not (ck / "step_000006.tmp").exists()
     checksum(resumed)
     # 2 ranks finish it (resharded 4 -> 2); an uninterrupted run (3 ranks, python) must end the same.
-    finished = run_lesson(lesson, "--dir", ck, "--resume", nproc=2, launcher="warm", timeout=TIMEOUT)
+    finished = run_lesson(
+        lesson, "--dir", ck, "--resume", nproc=2, launcher="warm", timeout=TIMEOUT
+    )
     assert_ok(finished)
-    assert "resumed from step_000006 (written by 4 ranks) at step 6 on 2 ranks" in finished.stdout, finished
-    whole = run_lesson(lesson, "--dir", tmp_path / "whole", nproc=3, launcher="python", timeout=TIMEOUT)
+    assert (
+        "resumed from step_000006 (written by 4 ranks) at step 6 on 2 ranks" in finished.stdout
+    ), finished
+    whole = run_lesson(
+        lesson, "--dir", tmp_path / "whole", nproc=3, launcher="python", timeout=TIMEOUT
+    )
     assert_ok(whole)
     assert abs(checksum(finished) - checksum(whole)) < 1e-3, (finished, whole)
 
 
 @pytest.mark.parametrize("name", ["zero_by_hand.py", "fsdp_minimal.py", "fsdp_offload.py"])
 def test_batch_must_divide(name):
-    assert_fails(run_lesson(f"fsdp_basics/{name}", "--batch", "49", nproc=2, launcher="warm",
-                            timeout=TIMEOUT), "must divide by 2 ranks", within=2)
+    assert_fails(
+        run_lesson(
+            f"fsdp_basics/{name}", "--batch", "49", nproc=2, launcher="warm", timeout=TIMEOUT
+        ),
+        "must divide by 2 ranks",
+        within=2,
+    )
 
 
 def test_readme_commands_agree_with_the_root_readme():
@@ -117,7 +173,12 @@ def test_readme_commands_agree_with_the_root_readme():
     lesson's command in the root README's table must stand in this folder's table row for that lesson."""
     root, here = (ROOT / "README.md").read_text(), (ROOT / "fsdp_basics" / "README.md").read_text()
     rows = dict(re.findall(r"^\| \[(\w+\.py)\]\(\1\) \|(.*)$", here, re.M))
-    commands = [(m.group(2), m.group(1)) for m in re.finditer(r"`(torchrun [^`]*fsdp_basics/(\w+\.py)[^`]*)`", root)]
-    assert {name for name, _ in commands} >= set(LESSONS), commands  # the root README runs every lesson
+    commands = [
+        (m.group(2), m.group(1))
+        for m in re.finditer(r"`(torchrun [^`]*fsdp_basics/(\w+\.py)[^`]*)`", root)
+    ]
+    assert {name for name, _ in commands} >= set(LESSONS), (
+        commands
+    )  # the root README runs every lesson
     for name, command in commands:
         assert f"`{command}" in rows[name], (name, command, rows[name])

@@ -2,6 +2,7 @@
 ranks, and equal to what real ranks hold after a step at 2 (torchrun), 3 (`python lesson.py --nproc`) and 4 (warm
 launcher); the plan made without fully_shard must fail both of its checks, and the activation check must fail
 when the saved weight is counted as an activation; a bad flag is one line per rank."""
+
 import math
 import re
 
@@ -9,16 +10,24 @@ import pytest
 
 from harness import assert_fails, assert_ok, run_lesson
 
-LESSON, T = "fsdp_basics/fsdp_memory_plan.py", 300  # generous: the lesson starts a planner process (torch import)
+LESSON, T = (
+    "fsdp_basics/fsdp_memory_plan.py",
+    300,
+)  # generous: the lesson starts a planner process (torch import)
 REAL_WIDTH = 62
 ROW = re.compile(r"^ +(\d+) +(\S+) +(\S+) +(\S+) +(\S+) +(\S+) +(\S+)$", re.M)
-RANK = re.compile(r"^\[rank (\d+)\] params, grads, Adam bytes: planned \[(\d+), (\d+), (\d+)\], "
-                  r"measured after a step \[(\d+), (\d+), (\d+)\]$", re.M)
+RANK = re.compile(
+    r"^\[rank (\d+)\] params, grads, Adam bytes: planned \[(\d+), (\d+), (\d+)\], "
+    r"measured after a step \[(\d+), (\d+), (\d+)\]$",
+    re.M,
+)
 
 
 def shapes(width, depth, classes=4):
     """toy.BlockMLP's parameter shapes, written out again here: input layer, blocks, head."""
-    return [(width, 2), (width,)] + [(width, width), (width,)] * depth + [(classes, width), (classes,)]
+    return (
+        [(width, 2), (width,)] + [(width, width), (width,)] * depth + [(classes, width), (classes,)]
+    )
 
 
 def expected(width, depth, n, r):
@@ -38,12 +47,15 @@ def check_output(result, nproc, width=16384, depth=16, tokens=4096, max_ranks=10
     for r, *got in ranks:
         assert got[:3] == got[3:] == expected(REAL_WIDTH, 2, nproc, r), (r, got, out)
     rows = ROW.findall(out)
-    sizes = [2 ** k for k in range(3, int(math.log2(max_ranks)) + 1)]
+    sizes = [2**k for k in range(3, int(math.log2(max_ranks)) + 1)]
     assert [int(row[0]) for row in rows] == sizes, out
     psi = sum(math.prod(s) for s in shapes(width, depth))
     for n, params, grads, adam, state, acts, total in rows:
-        gib, n = 2 ** 30, int(n)
-        assert float(params) == float(grads) == pytest.approx(4 * psi / n / gib, abs=0.002), (n, out)
+        gib, n = 2**30, int(n)
+        assert float(params) == float(grads) == pytest.approx(4 * psi / n / gib, abs=0.002), (
+            n,
+            out,
+        )
         assert float(state) == pytest.approx(16 * psi / n / gib, abs=0.003), (n, out)
         assert float(acts) == pytest.approx(8 * width * tokens * depth / gib, abs=0.001), out
         assert float(total) == pytest.approx(16 * psi / n / gib + float(acts), abs=0.004), out
@@ -51,8 +63,10 @@ def check_output(result, nproc, width=16384, depth=16, tokens=4096, max_ranks=10
         assert f"{t} tokens {8 * t * REAL_WIDTH:,} B" in out, out
 
 
-@pytest.mark.parametrize("nproc,launcher", [(2, "torchrun"), (3, "python"),
-                                            pytest.param(4, "warm", marks=pytest.mark.quick)])
+@pytest.mark.parametrize(
+    "nproc,launcher",
+    [(2, "torchrun"), (3, "python"), pytest.param(4, "warm", marks=pytest.mark.quick)],
+)
 def test_plan_matches_formula_and_real_run(nproc, launcher):
     result = run_lesson(LESSON, nproc=nproc, launcher=launcher, timeout=T)
     ok = assert_ok(result)
@@ -61,19 +75,31 @@ def test_plan_matches_formula_and_real_run(nproc, launcher):
 
 
 def test_plan_without_fully_shard_fails():
-    result = run_lesson(LESSON, "--no-shard", "--max-ranks", "16", nproc=3, launcher="warm", timeout=T)
+    result = run_lesson(
+        LESSON, "--no-shard", "--max-ranks", "16", nproc=3, launcher="warm", timeout=T
+    )
     assert_fails(result, "fake-group plan differs from the ceil-rows formula: N=8: plan")
     for r in range(3):  # every rank's measured bytes differ from an unsharded plan
-        assert f"rank {r} holds {expected(REAL_WIDTH, 2, 3, r)} after a step, the plan said" in result.output, result
+        assert (
+            f"rank {r} holds {expected(REAL_WIDTH, 2, 3, r)} after a step, the plan said"
+            in result.output
+        ), result
 
 
 def test_counting_the_weight_as_activation_fails():
-    result = run_lesson(LESSON, "--count-params", "--max-ranks", "8", nproc=2, launcher="warm", timeout=T)
+    result = run_lesson(
+        LESSON, "--count-params", "--max-ranks", "8", nproc=2, launcher="warm", timeout=T
+    )
     assert_fails(result, f"!= 8 x tokens x {REAL_WIDTH} B")
-    weight = 4 * REAL_WIDTH * REAL_WIDTH  # the saved weight is counted once more at every token count
+    weight = (
+        4 * REAL_WIDTH * REAL_WIDTH
+    )  # the saved weight is counted once more at every token count
     assert f"16 tokens {8 * 16 * REAL_WIDTH + weight:,} B" in result.stdout, result
 
 
 def test_bad_flag_is_one_line():
-    assert_fails(run_lesson(LESSON, "--max-ranks", "4", nproc=2, launcher="warm", timeout=T),
-                 "--max-ranks must be at least 8, got 4", within=2)
+    assert_fails(
+        run_lesson(LESSON, "--max-ranks", "4", nproc=2, launcher="warm", timeout=T),
+        "--max-ranks must be at least 8, got 4",
+        within=2,
+    )

@@ -10,6 +10,7 @@ the CPU suite is the same either way. On a GPU node it doubles as a check that t
     pytest --gpu tests/test_gpu.py            # only the GPU mode
     pytest --gpu tests/test_gpu.py -k nccl    # NCCL only
 """
+
 import os
 
 import pytest
@@ -27,7 +28,9 @@ MAX_WORLD = 8  # the sizes the lessons promise: 1, 2, 4 and 8 GPUs (and what lie
 ANY, P2P = dict(min_ranks=1, gloo_cuda=True), dict(min_ranks=2, gloo_cuda=False)
 BATCH48 = dict(min_ranks=1, gloo_cuda=True, divides=48)
 LESSONS = {
-    "primitives/hello_distributed.py": dict(min_ranks=1, gloo_cuda=None),  # no --device flag: NCCL or CPU
+    "primitives/hello_distributed.py": dict(
+        min_ranks=1, gloo_cuda=None
+    ),  # no --device flag: NCCL or CPU
     "primitives/init_methods.py": ANY,
     "primitives/point_to_point.py": P2P,
     "primitives/deadlock.py": P2P,
@@ -54,9 +57,13 @@ LESSONS = {
     "primitives/ring_all_reduce.py": P2P,
     "primitives/weight_sync.py": dict(min_ranks=2, gloo_cuda=True),
     "primitives/backend_matrix.py": dict(min_ranks=2, gloo_cuda=True),
-    "primitives/benchmark_collectives.py": dict(min_ranks=2, gloo_cuda=False, args=["--max-bytes", "64M"]),
+    "primitives/benchmark_collectives.py": dict(
+        min_ranks=2, gloo_cuda=False, args=["--max-bytes", "64M"]
+    ),
     "primitives/debug_hangs.py": dict(min_ranks=2, gloo_cuda=True),
-    "primitives/gil_threads_vs_processes.py": dict(min_ranks=2, gloo_cuda=True, args=["--work", "200000"]),
+    "primitives/gil_threads_vs_processes.py": dict(
+        min_ranks=2, gloo_cuda=True, args=["--work", "200000"]
+    ),
     "primitives/dtensor_basics.py": ANY,
     "primitives/dtensor_redistribute.py": ANY,
     "primitives/dtensor_loss_parallel.py": ANY,
@@ -67,7 +74,9 @@ LESSONS = {
     "ddp_basics/manual_data_parallel.py": dict(min_ranks=1, gloo_cuda=True, divides=96),
     "ddp_basics/ddp_minimal.py": ANY,
     "ddp_basics/ddp_checkpoint.py": ANY,
-    "ddp_basics/ddp_grad_accumulation.py": dict(min_ranks=1, gloo_cuda=True, divides=1536),  # whole micro-batches
+    "ddp_basics/ddp_grad_accumulation.py": dict(
+        min_ranks=1, gloo_cuda=True, divides=1536
+    ),  # whole micro-batches
     "ddp_basics/ddp_mixed_precision.py": ANY,
     "ddp_basics/ddp_comm_hooks.py": ANY,
     "ddp_basics/ddp_uneven_inputs.py": dict(min_ranks=2, gloo_cuda=True),
@@ -92,14 +101,23 @@ LESSONS = {
     "transformer_basics/train_2d.py": dict(min_ranks=1, gloo_cuda=True, args=["--steps", "30"]),
     "transformer_basics/tensor_parallel.py": dict(min_ranks=1, gloo_cuda=True, divides=24),
     "transformer_basics/pipeline_parallel.py": dict(min_ranks=1, gloo_cuda=False),
-    "transformer_basics/benchmark.py": dict(min_ranks=1, gloo_cuda=True, divides=24,
-                                           args=["--steps", "6", "--warmup", "2"]),
-    "transformer_basics/ring_attention.py": dict(min_ranks=1, gloo_cuda=False, divides=24),  # --seq 48 in 2N chunks
-    "transformer_basics/ulysses.py": dict(min_ranks=1, gloo_cuda=True, divides=8),  # --heads 8 (and --seq 48)
+    "transformer_basics/benchmark.py": dict(
+        min_ranks=1, gloo_cuda=True, divides=24, args=["--steps", "6", "--warmup", "2"]
+    ),
+    "transformer_basics/ring_attention.py": dict(
+        min_ranks=1, gloo_cuda=False, divides=24
+    ),  # --seq 48 in 2N chunks
+    "transformer_basics/ulysses.py": dict(
+        min_ranks=1, gloo_cuda=True, divides=8
+    ),  # --heads 8 (and --seq 48)
     "transformer_basics/expert_parallel.py": dict(min_ranks=1, gloo_cuda=True, divides=8),
     "transformer_basics/train_moe.py": ANY,  # any N: --ep defaults to 2 on an even world size, else 1
-    "transformer_basics/train_cp.py": dict(min_ranks=1, gloo_cuda=False, divides=24),  # 2cp divides --block-size 96
-    "transformer_basics/composition.py": dict(min_ranks=1, gloo_cuda=True),  # inductor on CUDA (not run here: no GPU)
+    "transformer_basics/train_cp.py": dict(
+        min_ranks=1, gloo_cuda=False, divides=24
+    ),  # 2cp divides --block-size 96
+    "transformer_basics/composition.py": dict(
+        min_ranks=1, gloo_cuda=True
+    ),  # inductor on CUDA (not run here: no GPU)
 }
 # Not here, with the reason: primitives/weight_sync_two_jobs.py runs as two jobs (test_weight_sync_two_jobs
 # below); launch/spawn_template.py is a CPU/Gloo template that starts its own
@@ -117,38 +135,77 @@ def gpu_mode_reason(config):
 
 def gpu_env():
     """The CPU suite may hide the GPUs from the lessons; these runs must see them."""
-    return {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(GPUS))))}
+    return {
+        "CUDA_VISIBLE_DEVICES": os.environ.get(
+            "CUDA_VISIBLE_DEVICES", ",".join(map(str, range(GPUS)))
+        )
+    }
 
 
 def pytest_generate_tests(metafunc):
     """Cases only where they can run: without the GPU mode, one skipped test says why."""
     reason = gpu_mode_reason(metafunc.config)
     if "nccl_case" in metafunc.fixturenames:
-        cases = [pytest.param(None, marks=pytest.mark.skip(reason=reason), id="off")] if reason else [
-            pytest.param((lesson, n), id=f"{n}-{lesson}") if spec["min_ranks"] <= GPUS else
-            pytest.param(None, id=f"{spec['min_ranks']}-{lesson}", marks=pytest.mark.skip(
-                reason=f"needs {spec['min_ranks']} GPUs, this machine has {GPUS}"))
-            for lesson, spec in LESSONS.items() for n in range(spec["min_ranks"], max(spec["min_ranks"], min(GPUS, MAX_WORLD)) + 1)
-            if spec.get("divides", n) % n == 0]
+        cases = (
+            [pytest.param(None, marks=pytest.mark.skip(reason=reason), id="off")]
+            if reason
+            else [
+                pytest.param((lesson, n), id=f"{n}-{lesson}")
+                if spec["min_ranks"] <= GPUS
+                else pytest.param(
+                    None,
+                    id=f"{spec['min_ranks']}-{lesson}",
+                    marks=pytest.mark.skip(
+                        reason=f"needs {spec['min_ranks']} GPUs, this machine has {GPUS}"
+                    ),
+                )
+                for lesson, spec in LESSONS.items()
+                for n in range(spec["min_ranks"], max(spec["min_ranks"], min(GPUS, MAX_WORLD)) + 1)
+                if spec.get("divides", n) % n == 0
+            ]
+        )
         metafunc.parametrize("nccl_case", cases)
     if "gloo_case" in metafunc.fixturenames:
-        cases = [pytest.param(None, marks=pytest.mark.skip(reason=reason), id="off")] if reason else [
-            pytest.param(lesson, id=lesson) for lesson, spec in LESSONS.items() if spec["gloo_cuda"] is not None]
+        cases = (
+            [pytest.param(None, marks=pytest.mark.skip(reason=reason), id="off")]
+            if reason
+            else [
+                pytest.param(lesson, id=lesson)
+                for lesson, spec in LESSONS.items()
+                if spec["gloo_cuda"] is not None
+            ]
+        )
         metafunc.parametrize("gloo_case", cases)
 
 
 def test_lesson_on_nccl(nccl_case):
     lesson, nproc = nccl_case
-    result = run_lesson(lesson, "--backend", "nccl", *LESSONS[lesson].get("args", ()), nproc=nproc,
-                        timeout=TIMEOUT, env=gpu_env())
+    result = run_lesson(
+        lesson,
+        "--backend",
+        "nccl",
+        *LESSONS[lesson].get("args", ()),
+        nproc=nproc,
+        timeout=TIMEOUT,
+        env=gpu_env(),
+    )
     assert_ok(result)
     assert "nccl" in result.stdout, f"the lesson did not say it used NCCL\n{result}"
 
 
 def test_lesson_on_gloo_with_cuda_tensors(gloo_case):
     lesson, spec = gloo_case, LESSONS[gloo_case]
-    result = run_lesson(lesson, "--backend", "gloo", "--device", "cuda", *spec.get("args", ()), nproc=2,
-                        timeout=TIMEOUT, env=gpu_env())
+    result = run_lesson(
+        lesson,
+        "--backend",
+        "gloo",
+        "--device",
+        "cuda",
+        *spec.get("args", ()),
+        nproc=2,
+        timeout=TIMEOUT,
+        env=gpu_env(),
+    )
     if spec["gloo_cuda"]:
         assert_ok(result)
         assert "backend gloo, device cuda" in result.stdout, result
@@ -163,16 +220,20 @@ def test_weight_sync_two_jobs(request):
     if reason:
         pytest.skip(reason)
     from test_weight_sync import two_jobs
+
     gpus = list(map(str, range(min(GPUS, MAX_WORLD))))
     if len(gpus) == 1:
         flags, trainers = ("--backend", "gloo", "--device", "cuda"), 1
         envs, inference = ({"CUDA_VISIBLE_DEVICES": "0"},) * 2, 1
     else:
         flags, trainers = ("--backend", "nccl"), 2 if len(gpus) >= 4 else 1
-        envs = ({"CUDA_VISIBLE_DEVICES": ",".join(gpus[:trainers])},
-                {"CUDA_VISIBLE_DEVICES": ",".join(gpus[trainers:])})
+        envs = (
+            {"CUDA_VISIBLE_DEVICES": ",".join(gpus[:trainers])},
+            {"CUDA_VISIBLE_DEVICES": ",".join(gpus[trainers:])},
+        )
         inference = len(gpus) - trainers
-    trainer, engine = two_jobs(trainers, inference, trainer_args=flags, inference_args=flags, envs=envs,
-                               timeout=TIMEOUT)
+    trainer, engine = two_jobs(
+        trainers, inference, trainer_args=flags, inference_args=flags, envs=envs, timeout=TIMEOUT
+    )
     assert f"all {inference} inference rank(s) confirmed" in assert_ok(trainer)
     assert_ok(engine)

@@ -1,13 +1,13 @@
 """The warm launcher (tests/warm_launcher.py) is as strict as torchrun: a failing rank stops the
 others and fails the run, a hanging rank is killed at the time-out with every process of its run,
 every rank's output is captured, and each rank sees what a torchrun worker sees."""
+
 import json
 import os
 import signal
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
@@ -72,14 +72,18 @@ def test_environment_is_torchrun_s(tmp_path):
         result = run_lesson(path, "--flag", "x y", nproc=2, launcher=launcher, env={"MY_VAR": "1"})
         assert result.returncode == 0, result
         files = sorted(tmp_path.glob("view*.json"))
-        views[launcher] = sorted((json.loads(f.read_text()) for f in files), key=lambda view: int(view["env"]["RANK"]))
+        views[launcher] = sorted(
+            (json.loads(f.read_text()) for f in files), key=lambda view: int(view["env"]["RANK"])
+        )
         for f in files:
             f.unlink()
     assert len(views["warm"]) == len(views["torchrun"]) == 2
     for rank, (real, warm) in enumerate(zip(views["torchrun"], views["warm"])):
         for view in (real, warm):
             assert view["env"]["RANK"] == str(rank) and view["env"]["MY_VAR"] == "1"
-            assert view["env"].pop("TORCHELASTIC_ERROR_FILE").endswith(f"/attempt_0/{rank}/error.json")
+            assert (
+                view["env"].pop("TORCHELASTIC_ERROR_FILE").endswith(f"/attempt_0/{rank}/error.json")
+            )
             assert view["env"].pop("MASTER_PORT").isdigit()
         assert warm == real
     assert views["warm"][0]["argv"] == [str(path), "--flag", "x y"]
@@ -100,14 +104,18 @@ def test_lesson_runs_and_is_marked_warm():
 
 def test_usage_error_is_one_line_on_one_to_every_rank():
     """A rank that exits with a message stops the run; the other rank prints its line or is stopped."""
-    result = run_lesson("primitives/hello_distributed.py", "--backend", "nccl", nproc=2, launcher="warm")
+    result = run_lesson(
+        "primitives/hello_distributed.py", "--backend", "nccl", nproc=2, launcher="warm"
+    )
     assert_fails(result, "error: NCCL needs one CUDA GPU per rank", within=2)
     assert "Traceback" not in result.output, result
     assert 1 in result.rank_codes and set(result.rank_codes) <= {1, -signal.SIGTERM}, result
 
 
 def test_failing_rank_stops_the_others(tmp_path):
-    path = script(tmp_path, """
+    path = script(
+        tmp_path,
+        """
         import os, signal, sys, time
         rank = int(os.environ["RANK"])
         print(f"rank {rank} started", flush=True)
@@ -117,7 +125,8 @@ def test_failing_rank_stops_the_others(tmp_path):
         if rank == 2:  # ignores SIGTERM: must get SIGKILL after the grace period
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         time.sleep(600)
-    """)
+    """,
+    )
     start = time.monotonic()
     result = run_lesson(path, nproc=3, launcher="warm", timeout=120)
     elapsed = time.monotonic() - start
@@ -130,19 +139,26 @@ def test_failing_rank_stops_the_others(tmp_path):
 
 def test_hanging_run_is_killed_at_timeout_with_every_process(tmp_path):
     """The ranks and a child process they started are gone after the time-out."""
-    path = script(tmp_path, """
+    path = script(
+        tmp_path,
+        """
         import os, subprocess, sys, time
         pids = [os.getpid()]
         if os.environ["RANK"] == "0":
             pids.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]).pid)
         print("pids", os.getpgid(0), *pids, flush=True)
         time.sleep(600)
-    """)
+    """,
+    )
     start = time.monotonic()
     result = run_lesson(path, nproc=2, launcher="warm", timeout=8)
     assert result.timed_out and result.returncode != 0, result
     assert time.monotonic() - start < 40, result
-    lines = [list(map(int, line.split()[1:])) for line in result.stdout.splitlines() if line.startswith("pids")]
+    lines = [
+        list(map(int, line.split()[1:]))
+        for line in result.stdout.splitlines()
+        if line.startswith("pids")
+    ]
     assert len(lines) == 2, result  # output before the kill is kept
     group = lines[0][0]
     pids = [pid for line in lines for pid in line[1:]]
@@ -154,29 +170,40 @@ def test_hanging_run_is_killed_at_timeout_with_every_process(tmp_path):
 def test_output_of_every_rank_is_captured(tmp_path):
     """Every line of every rank, on both streams, more than a pipe holds. (One write per line: print()
     writes the text and the newline separately, so ranks' lines can mix, as under torchrun.)"""
-    path = script(tmp_path, """
+    path = script(
+        tmp_path,
+        """
         import os, sys
         rank = int(os.environ["RANK"])
         for i in range(3000):
             sys.stdout.write(f"out {rank} {i}\\n")
             sys.stderr.write(f"err {rank} {i}\\n")
-    """)
+    """,
+    )
     result = run_lesson(path, nproc=3, launcher="warm")
     assert result.returncode == 0, result
     for rank in range(3):
         for stream, text in [("out", result.stdout), ("err", result.stderr)]:
-            assert [line for line in text.splitlines() if line.startswith(f"{stream} {rank} ")] == \
-                [f"{stream} {rank} {i}" for i in range(3000)]
+            assert [line for line in text.splitlines() if line.startswith(f"{stream} {rank} ")] == [
+                f"{stream} {rank} {i}" for i in range(3000)
+            ]
 
 
-@pytest.mark.parametrize("ending, code, printed", [
-    ("raise ValueError('boom')", 1, "ValueError: boom"),
-    ("sys.exit('exit message')", 1, "exit message"),
-    ("sys.exit(4)", 4, ""),
-    ("sys.stdout.write('no newline at the end')", 0, "no newline at the end"),
-    ("import threading, time; threading.Thread(target=lambda: (time.sleep(1), print('joined'))).start()", 0, "joined"),
-    ("import atexit; atexit.register(print, 'at exit')", 0, "at exit"),
-])
+@pytest.mark.parametrize(
+    "ending, code, printed",
+    [
+        ("raise ValueError('boom')", 1, "ValueError: boom"),
+        ("sys.exit('exit message')", 1, "exit message"),
+        ("sys.exit(4)", 4, ""),
+        ("sys.stdout.write('no newline at the end')", 0, "no newline at the end"),
+        (
+            "import threading, time; threading.Thread(target=lambda: (time.sleep(1), print('joined'))).start()",
+            0,
+            "joined",
+        ),
+        ("import atexit; atexit.register(print, 'at exit')", 0, "at exit"),
+    ],
+)
 def test_a_rank_ends_as_python_would(tmp_path, ending, code, printed):
     path = script(tmp_path, f"import sys\n{ending}\n")
     result = run_lesson(path, nproc=1, launcher="warm")
@@ -189,14 +216,19 @@ def test_a_rank_ends_as_python_would(tmp_path, ending, code, printed):
 
 def test_env_overrides_and_startup_variables(tmp_path):
     """env= reaches every rank; a variable read at interpreter start-up gets a server of its own."""
-    path = script(tmp_path, """
+    path = script(
+        tmp_path,
+        """
         import os
         # one write call for the whole line: with PYTHONUNBUFFERED even print(s) makes two, s and then "\\n"
         # (strace), and two ranks' pieces mixed on the shared pipe ("0 7 ...1 7 ...", "") in a full run
         os.write(1, f'{os.environ["RANK"]} {os.environ.get("DIST_TIMEOUT")} {hash("warm")}\\n'.encode())
-    """)
-    seeded = [run_lesson(path, nproc=2, launcher="warm", env={"DIST_TIMEOUT": "7", "PYTHONHASHSEED": "5"})
-              for _ in range(2)]
+    """,
+    )
+    seeded = [
+        run_lesson(path, nproc=2, launcher="warm", env={"DIST_TIMEOUT": "7", "PYTHONHASHSEED": "5"})
+        for _ in range(2)
+    ]
     lines = {line for result in seeded for line in result.stdout.splitlines()}
     expected = {f"{rank} 7 {hash_under_seed(5)}" for rank in range(2)}
     assert lines == expected, seeded
@@ -204,8 +236,14 @@ def test_env_overrides_and_startup_variables(tmp_path):
 
 def hash_under_seed(seed):
     import subprocess
-    return int(subprocess.check_output([sys.executable, "-c", "print(hash('warm'))"],
-                                       env={**os.environ, "PYTHONHASHSEED": str(seed)}, text=True))
+
+    return int(
+        subprocess.check_output(
+            [sys.executable, "-c", "print(hash('warm'))"],
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+            text=True,
+        )
+    )
 
 
 def test_server_is_single_threaded_and_restarts_after_it_died(tmp_path):
@@ -225,5 +263,7 @@ def test_a_deprecated_call_fails_the_run():
     its OK line, and assert_ok fails it all the same: the next rename shows up in the suite at once."""
     result = run_lesson("tests/fixtures/deprecated_call.py", nproc=1, launcher="warm")
     assert result.returncode == 0 and "OK: gathered [1.0]" in result.stdout, result
-    with pytest.raises(AssertionError, match="uses something deprecated in this torch: .*all_gather_into_tensor"):
+    with pytest.raises(
+        AssertionError, match="uses something deprecated in this torch: .*all_gather_into_tensor"
+    ):
         assert_ok(result)

@@ -3,6 +3,7 @@ Slurm cluster (munged, slurmctld, slurmd started here with a config of our own) 
 launch/slurm.sbatch, and two "hosts" in network namespaces (launch/netns_two_hosts.sh).
 Both need root; .ci/install_system_packages.sh installs the packages. Without them the
 tests skip and say why."""
+
 import os
 import shutil
 import signal
@@ -20,7 +21,9 @@ MISSING_SLURM = [t for t in SLURM_TOOLS if shutil.which(t) is None]
 
 
 def run(command, env=None, timeout=120, cwd=ROOT):
-    return subprocess.run(command, cwd=cwd, env=env, text=True, capture_output=True, timeout=timeout)
+    return subprocess.run(
+        command, cwd=cwd, env=env, text=True, capture_output=True, timeout=timeout
+    )
 
 
 def stop(pid_file):
@@ -44,8 +47,10 @@ def slurm(tmp_path_factory):
     if not IS_ROOT:
         pytest.skip("the Slurm test starts slurmctld/slurmd/munged itself and needs root")
     if MISSING_SLURM:
-        pytest.skip(f"Slurm is not installed ({', '.join(MISSING_SLURM)} missing): "
-                    "run .ci/install_system_packages.sh as root")
+        pytest.skip(
+            f"Slurm is not installed ({', '.join(MISSING_SLURM)} missing): "
+            "run .ci/install_system_packages.sh as root"
+        )
     d = tmp_path_factory.mktemp("slurm")
     (d / "state").mkdir()
     (d / "spool").mkdir()
@@ -85,8 +90,17 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
     pid_files = [d / "slurmd.pid", d / "slurmctld.pid", d / "munged.pid"]
     try:
         started = [
-            run(["munged", "--force", f"--key-file={key}", f"--socket={d}/munge.socket",
-                 f"--pid-file={d}/munged.pid", f"--log-file={d}/munged.log", f"--seed-file={d}/munged.seed"]),
+            run(
+                [
+                    "munged",
+                    "--force",
+                    f"--key-file={key}",
+                    f"--socket={d}/munge.socket",
+                    f"--pid-file={d}/munged.pid",
+                    f"--log-file={d}/munged.log",
+                    f"--seed-file={d}/munged.seed",
+                ]
+            ),
             run(["slurmctld", "-i"], env=env),
             run(["slurmd"], env=env),
         ]
@@ -94,8 +108,9 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             assert result.returncode == 0, f"{result.args} failed: {result.stderr}"
         deadline = time.monotonic() + 60
         while "idle" not in run(["sinfo", "-h", "-o", "%T"], env=env).stdout:
-            assert time.monotonic() < deadline, "the Slurm node never became idle:\n" + \
-                (d / "slurmd.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, (
+                "the Slurm node never became idle:\n" + (d / "slurmd.log").read_text()[-2000:]
+            )
             time.sleep(0.5)
         yield env, d
     finally:
@@ -106,7 +121,9 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 def sbatch(env, d, *args):
     env = dict(env, LOG_DIR=str(d / "logs"), MASTER_PORT=str(free_port()))
     out = d / f"job-{time.monotonic_ns()}.out"
-    result = run(["sbatch", "--wait", f"--output={out}", "launch/slurm.sbatch", *args], env=env, timeout=240)
+    result = run(
+        ["sbatch", "--wait", f"--output={out}", "launch/slurm.sbatch", *args], env=env, timeout=240
+    )
     return result, out.read_text() if out.exists() else ""
 
 
@@ -125,7 +142,9 @@ def test_slurm_batch_job_with_a_missing_lesson_fails_in_one_line(slurm):
     env, d = slurm
     result, output = sbatch(env, d, "primitives/no_such_lesson.py")
     assert result.returncode != 0
-    assert output.strip().startswith("error: lesson file 'primitives/no_such_lesson.py' not found"), output
+    assert output.strip().startswith(
+        "error: lesson file 'primitives/no_such_lesson.py' not found"
+    ), output
 
 
 def netns_usable():
@@ -145,7 +164,9 @@ def test_two_hosts_in_network_namespaces():
     if reason:
         pytest.skip(reason)
     before = run(["ip", "netns", "list"]).stdout
-    result = run(["bash", "launch/netns_two_hosts.sh", "primitives/hello_distributed.py"], timeout=180)
+    result = run(
+        ["bash", "launch/netns_two_hosts.sh", "primitives/hello_distributed.py"], timeout=180
+    )
     print(result.stdout)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK: 4 rank(s) said hello" in result.stdout

@@ -2,6 +2,7 @@
 sizes 2, 3 and 4 (odd sizes break naive code; real torchrun at 2, the harness's warm launcher at 3
 and 4), and with `python lesson.py --nproc 2`, the other launcher; and the bad starts that must
 fail cleanly."""
+
 import re
 
 import pytest
@@ -32,11 +33,18 @@ LESSONS = {
     "stores.py": {},
     "distributed_softmax.py": {3: ["--size", "7"]},
 }
-REAL_TORCHRUN = 2  # each lesson's one run under real torchrun, as a reader starts it; at the other sizes
+REAL_TORCHRUN = (
+    2  # each lesson's one run under real torchrun, as a reader starts it; at the other sizes
+)
 # the harness's warm launcher forks the ranks from a process with torch imported (same environment)
-TORCHRUN_CASES = [pytest.param(name, n, id=f"{name}-np{n}", marks=[pytest.mark.quick] * (n == 3))  # quick: warm
-                  for name in LESSONS for n in (2, 3, 4)]
-PYTHON_NPROC = 2  # the launcher path is the same code at every size: the cheapest one shows it works
+TORCHRUN_CASES = [
+    pytest.param(name, n, id=f"{name}-np{n}", marks=[pytest.mark.quick] * (n == 3))  # quick: warm
+    for name in LESSONS
+    for n in (2, 3, 4)
+]
+PYTHON_NPROC = (
+    2  # the launcher path is the same code at every size: the cheapest one shows it works
+)
 
 
 def check_output(name, nproc, result, ok):
@@ -48,7 +56,9 @@ def check_output(name, nproc, result, ok):
         waits = [float(w) for w in re.findall(r"first, then recv: after ([\d.]+)s", out)]
         assert len(waits) == nproc and max(waits) < 30, out
     elif name == "all_reduce.py":
-        assert all(op in ok for op in ["SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR"]), ok
+        assert all(
+            op in ok for op in ["SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR"]
+        ), ok
         # the public ReduceOp.PREMUL_SUM(factor) is built and refused by Gloo itself, not skipped by us
         assert "PREMUL_SUM: gloo refuses it (Cannot use ReduceOp.PREMUL_SUM with Gloo)" in out, out
     elif name == "device_mesh.py":
@@ -67,7 +77,9 @@ def check_output(name, nproc, result, ok):
 def test_lesson_under_torchrun(name, nproc):
     extra = LESSONS[name].get(nproc, [])
     launcher = "torchrun" if nproc == REAL_TORCHRUN else "warm"
-    result = run_lesson(f"primitives/{name}", *extra, nproc=nproc, launcher=launcher, timeout=TIMEOUT)
+    result = run_lesson(
+        f"primitives/{name}", *extra, nproc=nproc, launcher=launcher, timeout=TIMEOUT
+    )
     check_output(name, nproc, result, assert_ok(result))
 
 
@@ -75,7 +87,9 @@ def test_lesson_under_torchrun(name, nproc):
 def test_lesson_with_plain_python(name):
     nproc = PYTHON_NPROC
     extra = LESSONS[name].get(nproc, [])
-    result = run_lesson(f"primitives/{name}", *extra, nproc=nproc, launcher="python", timeout=TIMEOUT)
+    result = run_lesson(
+        f"primitives/{name}", *extra, nproc=nproc, launcher="python", timeout=TIMEOUT
+    )
     check_output(name, nproc, result, assert_ok(result))
 
 
@@ -85,19 +99,30 @@ def test_one_rank_is_refused_where_a_peer_is_needed():
 
 
 def test_mesh_that_does_not_factor_is_a_one_line_error_on_every_rank():
-    result = run_lesson("primitives/device_mesh.py", "--tp", "2", nproc=3, launcher="warm", timeout=TIMEOUT)
+    result = run_lesson(
+        "primitives/device_mesh.py", "--tp", "2", nproc=3, launcher="warm", timeout=TIMEOUT
+    )
     # (not within=3: the launcher may stop the other ranks before they print their line)
     assert_fails(result, "--tp 2 does not divide the world size 3")
     assert "Traceback" not in result.output, result
 
 
 def test_broadcast_from_a_rank_that_does_not_exist_fails_cleanly():
-    result = run_lesson("primitives/broadcast.py", "--src", "2", nproc=2, launcher="warm", timeout=TIMEOUT)
+    result = run_lesson(
+        "primitives/broadcast.py", "--src", "2", nproc=2, launcher="warm", timeout=TIMEOUT
+    )
     assert_fails(result, "--src 2 is not a rank of a 2-rank world")
 
 
 def test_barrier_check_catches_a_missing_barrier():
     # Without the barrier the readers look before local rank 0 has written: the lesson must notice.
-    result = run_lesson("primitives/barrier.py", "--no-barrier", "--delay", "3", nproc=2, launcher="warm",
-                        timeout=TIMEOUT)
+    result = run_lesson(
+        "primitives/barrier.py",
+        "--no-barrier",
+        "--delay",
+        "3",
+        nproc=2,
+        launcher="warm",
+        timeout=TIMEOUT,
+    )
     assert_fails(result, "does not exist yet")

@@ -1,4 +1,5 @@
 """Issue 4 lessons: ring/tree all-reduce, backend matrix, benchmark, hangs, GIL (weight sync: test_weight_sync.py)."""
+
 import csv
 import json
 import math
@@ -15,11 +16,21 @@ T = 240  # seconds: generous, the CI machine is shared
 @pytest.mark.parametrize("nproc", [2, pytest.param(3, marks=pytest.mark.quick), 4, 5])
 def test_ring_all_reduce(nproc):
     sizes = [1, 3, 7, 1001]  # 1 and 3 are smaller than some N; 7 and 1001 divide by none of 2..5
-    result = run_lesson("primitives/ring_all_reduce.py", "--sizes", ",".join(map(str, sizes)), "--iters", "1",
-                        nproc=nproc, launcher="torchrun" if nproc == 2 else "warm", timeout=T)
+    result = run_lesson(
+        "primitives/ring_all_reduce.py",
+        "--sizes",
+        ",".join(map(str, sizes)),
+        "--iters",
+        "1",
+        nproc=nproc,
+        launcher="torchrun" if nproc == 2 else "warm",
+        timeout=T,
+    )
     line = assert_ok(result)
     assert f"on {nproc} ranks" in line
-    rows = [line.split() for line in result.stdout.splitlines() if re.match(r"\s*\d+\s+\d+\s", line)]
+    rows = [
+        line.split() for line in result.stdout.splitlines() if re.match(r"\s*\d+\s+\d+\s", line)
+    ]
     assert [int(r[0]) for r in rows] == sizes, result.stdout
     for r in rows:  # steps counted by the lesson's own loops
         assert int(r[1]) == 2 * (nproc - 1), r
@@ -27,9 +38,21 @@ def test_ring_all_reduce(nproc):
 
 
 def test_ring_all_reduce_python_launcher_and_bad_sizes():
-    assert_ok(run_lesson("primitives/ring_all_reduce.py", "--sizes", "2,65537", "--iters", "1",
-                         nproc=3, launcher="python", timeout=T))
-    result = run_lesson("primitives/ring_all_reduce.py", "--sizes", "4,0", nproc=2, launcher="warm", timeout=T)
+    assert_ok(
+        run_lesson(
+            "primitives/ring_all_reduce.py",
+            "--sizes",
+            "2,65537",
+            "--iters",
+            "1",
+            nproc=3,
+            launcher="python",
+            timeout=T,
+        )
+    )
+    result = run_lesson(
+        "primitives/ring_all_reduce.py", "--sizes", "4,0", nproc=2, launcher="warm", timeout=T
+    )
     # on 1 or 2 ranks: like torchrun, the launcher stops the other rank once one has failed
     assert_fails(result, "--sizes must be positive integers", within=2)
 
@@ -39,11 +62,21 @@ def test_ring_all_reduce_python_launcher_and_bad_sizes():
 def test_backend_matrix(launcher):
     result = run_lesson("primitives/backend_matrix.py", nproc=2, launcher=launcher, timeout=T)
     assert_ok(result)
-    rows = {line.split("|")[1].strip().strip("`"): [c.strip() for c in line.split("|")[2:-1]]
-            for line in result.stdout.splitlines() if line.startswith("| `")}
+    rows = {
+        line.split("|")[1].strip().strip("`"): [c.strip() for c in line.split("|")[2:-1]]
+        for line in result.stdout.splitlines()
+        if line.startswith("| `")
+    }
     assert len(rows) >= 30
-    for call in ["broadcast", "all_reduce", "all_gather", "send / recv", "ReduceOp.MAX", "monitored_barrier",
-                 "all_gather_object"]:
+    for call in [
+        "broadcast",
+        "all_reduce",
+        "all_gather",
+        "send / recv",
+        "ReduceOp.MAX",
+        "monitored_barrier",
+        "all_gather_object",
+    ]:
         assert rows[call][0] == "yes", (call, rows[call])
     premul = next(v for k, v in rows.items() if k.startswith("ReduceOp.PREMUL_SUM"))
     assert premul[0].startswith("no (")  # NCCL-only; the reason is printed below the table
@@ -54,19 +87,41 @@ def test_backend_matrix(launcher):
 
 
 # benchmark_collectives.py: nccl-tests busbw factors, machine-readable output, a check that bites.
-FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-           "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-           "broadcast": lambda n: 1, "reduce": lambda n: 1, "sendrecv": lambda n: 1}
+FACTORS = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1,
+    "reduce": lambda n: 1,
+    "sendrecv": lambda n: 1,
+}
 
 
 # bfloat16 at 3 ranks: the closed-form check must hold bit for bit there too (the sums stay below 256).
-@pytest.mark.parametrize("nproc,extra", [(2, []), (4, ["--max-bytes", "16K", "--iters", "2"]),
-                                         pytest.param(3, ["--max-bytes", "4K", "--iters", "1", "--dtype", "bfloat16"],
-                                                      marks=pytest.mark.quick)])
+@pytest.mark.parametrize(
+    "nproc,extra",
+    [
+        (2, []),
+        (4, ["--max-bytes", "16K", "--iters", "2"]),
+        pytest.param(
+            3, ["--max-bytes", "4K", "--iters", "1", "--dtype", "bfloat16"], marks=pytest.mark.quick
+        ),
+    ],
+)
 def test_benchmark_collectives(nproc, extra, tmp_path):
     out_json, out_csv = tmp_path / "b.json", tmp_path / "b.csv"
-    result = run_lesson("primitives/benchmark_collectives.py", *extra, "--json", out_json, "--csv", out_csv,
-                        nproc=nproc, launcher="torchrun" if nproc == 2 else "warm", timeout=T)
+    result = run_lesson(
+        "primitives/benchmark_collectives.py",
+        *extra,
+        "--json",
+        out_json,
+        "--csv",
+        out_csv,
+        nproc=nproc,
+        launcher="torchrun" if nproc == 2 else "warm",
+        timeout=T,
+    )
     assert_ok(result)
     records = json.loads(out_json.read_text())
     assert {r["op"] for r in records} == set(FACTORS)
@@ -77,13 +132,26 @@ def test_benchmark_collectives(nproc, extra, tmp_path):
         assert r["ranks"] == nproc and r["bytes"] % (esize * nproc) == 0
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * FACTORS[r["op"]](nproc), rel=1e-9)
         assert r["algbw_GBps"] == pytest.approx(r["bytes"] / (r["time_us"] * 1e-6) / 1e9, rel=1e-9)
-    printed = [row for row in (l.split() for l in result.stdout.splitlines()) if row[:1] and row[0] in FACTORS]
+    printed = [
+        row
+        for row in (l.split() for l in result.stdout.splitlines())
+        if row[:1] and row[0] in FACTORS
+    ]
     assert len(printed) == len(records) and all(row[-1] == "ok" for row in printed)
 
 
 def test_benchmark_check_catches_a_wrong_value():
-    result = run_lesson("primitives/benchmark_collectives.py", "--ops", "all_reduce,all_gather", "--max-bytes", "4K",
-                        "--corrupt-for-testing", nproc=2, launcher="python", timeout=T)
+    result = run_lesson(
+        "primitives/benchmark_collectives.py",
+        "--ops",
+        "all_reduce,all_gather",
+        "--max-bytes",
+        "4K",
+        "--corrupt-for-testing",
+        nproc=2,
+        launcher="python",
+        timeout=T,
+    )
     assert_fails(result, "wrong result of all_gather")
     assert "returned a wrong value" in result.output
 
@@ -92,8 +160,12 @@ def test_benchmark_check_catches_a_wrong_value():
 # real torchrun at 2 ranks (signals, hangs, as a reader runs it); the warm launcher at 3
 @pytest.mark.parametrize("nproc", [2, pytest.param(3, marks=pytest.mark.quick)])
 def test_debug_hangs(nproc):
-    result = run_lesson("primitives/debug_hangs.py", nproc=nproc, launcher="torchrun" if nproc == 2 else "warm",
-                        timeout=T)
+    result = run_lesson(
+        "primitives/debug_hangs.py",
+        nproc=nproc,
+        launcher="torchrun" if nproc == 2 else "warm",
+        timeout=T,
+    )
     line = assert_ok(result)
     missing = nproc - 1
     assert f"monitored_barrier named missing rank {missing}" in line
@@ -104,20 +176,43 @@ def test_debug_hangs(nproc):
 
 
 def test_debug_hangs_other_missing_rank_and_bad_rank():
-    result = run_lesson("primitives/debug_hangs.py", "--parts", "a,c", "--missing-rank", "1", nproc=3,
-                        launcher="warm", timeout=T)
+    result = run_lesson(
+        "primitives/debug_hangs.py",
+        "--parts",
+        "a,c",
+        "--missing-rank",
+        "1",
+        nproc=3,
+        launcher="warm",
+        timeout=T,
+    )
     assert "named missing rank 1" in assert_ok(result)
     assert "Ranks 1 failed to pass monitoredBarrier" in result.stdout
     # python launcher: mp.spawn may stop rank 1 before it prints, so only "fails with the message" is checked
-    assert_fails(run_lesson("primitives/debug_hangs.py", "--missing-rank", "0", nproc=2, launcher="python",
-                            timeout=T), "--missing-rank must be between 1 and 1")
+    assert_fails(
+        run_lesson(
+            "primitives/debug_hangs.py",
+            "--missing-rank",
+            "0",
+            nproc=2,
+            launcher="python",
+            timeout=T,
+        ),
+        "--missing-rank must be between 1 and 1",
+    )
 
 
 # gil_threads_vs_processes.py: runs, checks its work, prints the three timings.
 @pytest.mark.parametrize("launcher", [pytest.param("torchrun", marks=pytest.mark.quick), "python"])
 def test_gil_threads_vs_processes(launcher):
-    result = run_lesson("primitives/gil_threads_vs_processes.py", "--work", "200000", nproc=2, launcher=launcher,
-                        timeout=T)
+    result = run_lesson(
+        "primitives/gil_threads_vs_processes.py",
+        "--work",
+        "200000",
+        nproc=2,
+        launcher=launcher,
+        timeout=T,
+    )
     assert_ok(result)
     for label in ["serial, 1 thread:", "2 threads, 1 process:", "2 processes:"]:
         assert re.search(re.escape(label) + r"\s+[\d.]+s", result.stdout), label

@@ -13,6 +13,7 @@ lessons that do not go through dist_setup.run (they set up by hand) stop right a
 Every command of one lesson is checked in one process (each start imports torch), so a failure
 names the README, the line and the command.
 """
+
 import json
 import re
 import shlex
@@ -26,9 +27,14 @@ from harness import ROOT, lesson_env
 
 pytestmark = pytest.mark.quick  # about 10 s: one process parses every command
 
-READMES = sorted(p for p in ROOT.rglob("README.md")
-                 if not any(part.startswith(".") for part in p.relative_to(ROOT).parts))
-PLACEHOLDER = re.compile(r"(^|/)(lesson|LESSON)\.py$")  # `torchrun ... LESSON.py`: any lesson, not one
+READMES = sorted(
+    p
+    for p in ROOT.rglob("README.md")
+    if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)
+)
+PLACEHOLDER = re.compile(
+    r"(^|/)(lesson|LESSON)\.py$"
+)  # `torchrun ... LESSON.py`: any lesson, not one
 LINK = re.compile(r"\[([^\]]*)\]\(([^)\s]+)\)")
 
 
@@ -101,9 +107,12 @@ def table_rows(readme):
 
 
 def test_every_relative_link_resolves():
-    problems = [f"{rel(readme)}:{n}: [{target}] {problem}"
-                for readme in READMES for n, _, target in links(readme)
-                if (problem := link_problem(readme, target))]
+    problems = [
+        f"{rel(readme)}:{n}: [{target}] {problem}"
+        for readme in READMES
+        for n, _, target in links(readme)
+        if (problem := link_problem(readme, target))
+    ]
     assert not problems, "\n".join(problems)
 
 
@@ -181,7 +190,10 @@ def parse_segment(tokens):
             launcher, rest = tokens[2], tokens[3:]
         elif len(tokens) > 1 and tokens[1].endswith(".py"):
             rest = tokens[1:]
-    elif tokens[0] in ("bash", "sbatch"):  # launch/*.sh and slurm.sbatch: the lesson is their argument
+    elif tokens[0] in (
+        "bash",
+        "sbatch",
+    ):  # launch/*.sh and slurm.sbatch: the lesson is their argument
         rest = [t for t in tokens[1:] if not t.startswith("launch/")]
     if rest is None:
         return []
@@ -191,8 +203,10 @@ def parse_segment(tokens):
     at = scripts[0]
     if launcher:
         launcher_args = rest[:at]
-    args = rest[at + 1:]
-    if launcher == "torch.distributed.launch" and not {"--use-env", "--use_env"} & set(launcher_args):
+    args = rest[at + 1 :]
+    if launcher == "torch.distributed.launch" and not {"--use-env", "--use_env"} & set(
+        launcher_args
+    ):
         args = args + ["--local-rank=0"]  # what the old launcher appends for each rank
     return [(rest[at], args, env, launcher, launcher_args)]
 
@@ -202,8 +216,18 @@ def readme_commands():
     for readme in READMES:
         for number, text in command_lines(readme):
             for lesson, args, env, launcher, launcher_args in parse_command(text):
-                found.append(dict(readme=rel(readme), line=number, text=text, lesson=lesson, args=args,
-                                  env=env, launcher=launcher, launcher_args=launcher_args))
+                found.append(
+                    dict(
+                        readme=rel(readme),
+                        line=number,
+                        text=text,
+                        lesson=lesson,
+                        args=args,
+                        env=env,
+                        launcher=launcher,
+                        launcher_args=launcher_args,
+                    )
+                )
     return found
 
 
@@ -254,7 +278,9 @@ print("RESULTS " + json.dumps(results))
 
 def uses_dist_setup_run(lesson):
     source = (ROOT / lesson).read_text()
-    return "launch.dist_setup import" in source and re.search(r"^\s*run\(", source, re.M) is not None
+    return (
+        "launch.dist_setup import" in source and re.search(r"^\s*run\(", source, re.M) is not None
+    )
 
 
 def check_commands(commands):
@@ -266,9 +292,16 @@ def check_commands(commands):
         else:
             c["result"] = {"code": f"{c['lesson']} does not exist", "output": ""}
     payload = json.dumps([dict(c, uses_run=uses_dist_setup_run(c["lesson"])) for c in jobs])
-    proc = subprocess.run([sys.executable, "-c", CHECKER], cwd=ROOT, input=payload, text=True, timeout=300,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          env=lesson_env({"DIST_PARSE_ONLY": "1", "PYTHONPATH": str(ROOT)}))
+    proc = subprocess.run(
+        [sys.executable, "-c", CHECKER],
+        cwd=ROOT,
+        input=payload,
+        text=True,
+        timeout=300,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=lesson_env({"DIST_PARSE_ONLY": "1", "PYTHONPATH": str(ROOT)}),
+    )
     found = re.search(r"^RESULTS (.*)$", proc.stdout, re.M)
     assert found, f"the checker failed (exit {proc.returncode}):\n{proc.stdout[-5000:]}"
     for c, result in zip(jobs, json.loads(found.group(1)), strict=True):
@@ -286,35 +319,58 @@ def checked():
 
 def test_readmes_give_commands():
     lessons = {c["lesson"] for c in COMMANDS}
-    assert len(COMMANDS) > 60 and len(lessons) > 40, f"{len(COMMANDS)} commands for {len(lessons)} lessons"
+    assert len(COMMANDS) > 60 and len(lessons) > 40, (
+        f"{len(COMMANDS)} commands for {len(lessons)} lessons"
+    )
 
 
 @pytest.mark.xdist_group("readme_commands")  # one worker checks them all, once
-@pytest.mark.parametrize("index", range(len(COMMANDS)),
-                         ids=[f"{c['readme']}:{c['line']}:{c['lesson']}" for c in COMMANDS])
+@pytest.mark.parametrize(
+    "index",
+    range(len(COMMANDS)),
+    ids=[f"{c['readme']}:{c['line']}:{c['lesson']}" for c in COMMANDS],
+)
 def test_readme_command_parses(index, checked):
     command, result = COMMANDS[index], checked[index]
-    assert result["code"] == 0, (f"{command['readme']}:{command['line']}: {command['text']}\n"
-                                 f"{command['lesson']} {' '.join(command['args'])}: exit {result['code']}\n"
-                                 f"{result['output']}")
+    assert result["code"] == 0, (
+        f"{command['readme']}:{command['line']}: {command['text']}\n"
+        f"{command['lesson']} {' '.join(command['args'])}: exit {result['code']}\n"
+        f"{result['output']}"
+    )
 
 
 def test_the_check_catches_a_bad_flag_a_missing_lesson_and_a_bad_link(tmp_path):
     """The checks above can fail: a README with a broken command, a missing lesson and a dead link."""
     readme = tmp_path / "README.md"
-    readme.write_text("# Title\n\n| lesson | run |\n|---|---|\n| broadcast.py | `torchrun --nproc_per_node=2 "
-                      "primitives/broadcast.py --no-such-flag` |\n\n```bash\npython primitives/broadcast.py --src two\n"
-                      "torchrun --nproc_per_nodes=2 primitives/broadcast.py\npython primitives/no_such.py\n```\n"
-                      "[a](primitives/broadcast.py) [b](no_such.md) [c](#title) [d](#no-such-heading)\n")
+    readme.write_text(
+        "# Title\n\n| lesson | run |\n|---|---|\n| broadcast.py | `torchrun --nproc_per_node=2 "
+        "primitives/broadcast.py --no-such-flag` |\n\n```bash\npython primitives/broadcast.py --src two\n"
+        "torchrun --nproc_per_nodes=2 primitives/broadcast.py\npython primitives/no_such.py\n```\n"
+        "[a](primitives/broadcast.py) [b](no_such.md) [c](#title) [d](#no-such-heading)\n"
+    )
     rows = list(table_rows(readme))
     assert len(rows) == 1 and not LINK.findall(rows[0][1])
     problems = [link_problem(readme, t) for _, _, t in links(readme)]
-    assert problems == [f"primitives/broadcast.py does not exist", "no_such.md does not exist", None,
-                        "README.md has no heading #no-such-heading"], problems
-    commands = [dict(readme="README.md", line=n, text=text, lesson=lesson, args=args, env=env, launcher=launcher,
-                     launcher_args=launcher_args)
-                for n, text in command_lines(readme)
-                for lesson, args, env, launcher, launcher_args in parse_command(text)]
+    assert problems == [
+        "primitives/broadcast.py does not exist",
+        "no_such.md does not exist",
+        None,
+        "README.md has no heading #no-such-heading",
+    ], problems
+    commands = [
+        dict(
+            readme="README.md",
+            line=n,
+            text=text,
+            lesson=lesson,
+            args=args,
+            env=env,
+            launcher=launcher,
+            launcher_args=launcher_args,
+        )
+        for n, text in command_lines(readme)
+        for lesson, args, env, launcher, launcher_args in parse_command(text)
+    ]
     assert [c["line"] for c in commands] == [5, 8, 9, 10], commands
     codes = [c["result"]["code"] for c in check_commands(commands)]
     assert codes[:3] == [2, 2, 2] and codes[3] == "primitives/no_such.py does not exist", codes
@@ -323,9 +379,15 @@ def test_the_check_catches_a_bad_flag_a_missing_lesson_and_a_bad_link(tmp_path):
 @pytest.mark.quick
 def test_no_merge_conflict_markers_in_tracked_files():
     # a merge that kept both sides by hand once committed "<<<<<<< HEAD" into two README tables
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    marked = [f"{name}:{i}" for name in files if name.endswith((".py", ".md", ".sh", ".toml", ".txt", ".sbatch"))
-              and (ROOT / name).exists()
-              for i, line in enumerate((ROOT / name).read_text(errors="replace").splitlines(), 1)
-              if re.match(r"(<{7}|>{7}) |={7}$", line)]
+    files = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    marked = [
+        f"{name}:{i}"
+        for name in files
+        if name.endswith((".py", ".md", ".sh", ".toml", ".txt", ".sbatch"))
+        and (ROOT / name).exists()
+        for i, line in enumerate((ROOT / name).read_text(errors="replace").splitlines(), 1)
+        if re.match(r"(<{7}|>{7}) |={7}$", line)
+    ]
     assert not marked, f"merge conflict markers at {marked}"

@@ -2,6 +2,7 @@
 (dp 1 x ep 2), `python lesson.py --nproc 4` (dp 2 x ep 2), the warm launcher at 1 and at 4 with --ep 4; the
 experts' gradient sum broken two ways (/ dp instead of / N, over the world instead of dp) must fail the check;
 --ep that does not divide the ranks, --experts not a multiple of --ep and --top-k out of range are refused."""
+
 import re
 
 import pytest
@@ -10,11 +11,19 @@ from harness import assert_fails, assert_ok, run_lesson
 LESSON = "transformer_basics/train_moe.py"
 T = 240  # seconds: generous, the CI machine is small and shared
 LAYERS, EXPERTS, EMBD, HIDDEN, STEPS = 2, 8, 32, 64, 3  # the lesson's defaults
-ROWS = re.compile(r"^\[rank (\d+)\] dp (\d+), ep (\d+): experts (\d+)\.\.(\d+) of each layer; rows sent to / "
-                  r"received from the other ep ranks per step: \[([\d, ]+)\] / \[([\d, ]+)\]$", re.M)
-STATE = re.compile(r"^\[rank (\d+)\] state ([\d,]+) B = parameters ([\d,]+) \(experts ([\d,]+)\) \+ gradients "
-                   r"\+ AdamW's 2 moments; per step: (\S+) all_to_all, (\S+) all_reduce$", re.M)
-DIFFS = re.compile(r"^\[rank (\d+)\] largest difference from one process: loss (\S+), parameters (\S+)$", re.M)
+ROWS = re.compile(
+    r"^\[rank (\d+)\] dp (\d+), ep (\d+): experts (\d+)\.\.(\d+) of each layer; rows sent to / "
+    r"received from the other ep ranks per step: \[([\d, ]+)\] / \[([\d, ]+)\]$",
+    re.M,
+)
+STATE = re.compile(
+    r"^\[rank (\d+)\] state ([\d,]+) B = parameters ([\d,]+) \(experts ([\d,]+)\) \+ gradients "
+    r"\+ AdamW's 2 moments; per step: (\S+) all_to_all, (\S+) all_reduce$",
+    re.M,
+)
+DIFFS = re.compile(
+    r"^\[rank (\d+)\] largest difference from one process: loss (\S+), parameters (\S+)$", re.M
+)
 
 
 def number(text):
@@ -27,33 +36,52 @@ def check_report(out, nproc, ep):
     local, sent, received = EXPERTS // ep, {}, {}
     for rank, dp_rank, ep_rank, lo, hi, s, r in rows:
         rank = int(rank)
-        assert (int(dp_rank), int(ep_rank)) == divmod(rank, ep), out  # rows of the mesh: neighbouring ranks
+        assert (int(dp_rank), int(ep_rank)) == divmod(rank, ep), (
+            out
+        )  # rows of the mesh: neighbouring ranks
         assert (int(lo), int(hi)) == (rank % ep * local, rank % ep * local + local - 1), out
-        sent[rank], received[rank] = [int(v) for v in s.split(", ")], [int(v) for v in r.split(", ")]
-        assert len(sent[rank]) == STEPS and (ep > 1 or sent[rank] == received[rank] == [0] * STEPS), out
-    for row in range(nproc // ep):  # inside each ep row, what leaves a rank arrives at another, step by step
+        sent[rank], received[rank] = (
+            [int(v) for v in s.split(", ")],
+            [int(v) for v in r.split(", ")],
+        )
+        assert len(sent[rank]) == STEPS and (
+            ep > 1 or sent[rank] == received[rank] == [0] * STEPS
+        ), out
+    for row in range(
+        nproc // ep
+    ):  # inside each ep row, what leaves a rank arrives at another, step by step
         members = range(row * ep, row * ep + ep)
-        assert [sum(sent[m][i] for m in members) for i in range(STEPS)] == \
-            [sum(received[m][i] for m in members) for i in range(STEPS)], out
+        assert [sum(sent[m][i] for m in members) for i in range(STEPS)] == [
+            sum(received[m][i] for m in members) for i in range(STEPS)
+        ], out
     states = STATE.findall(out)
     assert [int(s[0]) for s in states] == list(range(nproc)), out
     for _, state, params, experts, all_to_all, all_reduce in states:
         # float32 parameters, their gradients and AdamW's two moments: four times the parameters
         assert number(state) == 4 * number(params), out
-        assert number(experts) == LAYERS * 2 * local * EMBD * HIDDEN * 4, out  # W1 and W2 of E/ep experts, 4 B each
+        assert number(experts) == LAYERS * 2 * local * EMBD * HIDDEN * 4, (
+            out
+        )  # W1 and W2 of E/ep experts, 4 B each
         # per MoE layer: counts, tokens, results in forward and the two token exchanges' gradients in backward;
         # one all_reduce for the dense gradients, one for the experts'
         assert (float(all_to_all), float(all_reduce)) == (5 * LAYERS, 2), out
 
 
-@pytest.mark.parametrize("nproc,launcher,args,ep", [
-    (2, "torchrun", (), 2), (4, "python", (), 2),
-    pytest.param(1, "warm", (), 1, marks=pytest.mark.quick),
-    (4, "warm", ("--ep", "4"), 4)])
+@pytest.mark.parametrize(
+    "nproc,launcher,args,ep",
+    [
+        (2, "torchrun", (), 2),
+        (4, "python", (), 2),
+        pytest.param(1, "warm", (), 1, marks=pytest.mark.quick),
+        (4, "warm", ("--ep", "4"), 4),
+    ],
+)
 def test_train_moe(nproc, launcher, args, ep):
     result = run_lesson(LESSON, *args, nproc=nproc, launcher=launcher, timeout=T)
-    assert assert_ok(result).startswith(f"OK: MoE GPT on a {nproc // ep}x{ep} (dp x ep) mesh, {EXPERTS} experts "
-                                        f"top-2: the losses of {STEPS} steps and the parameters equal"), result
+    assert assert_ok(result).startswith(
+        f"OK: MoE GPT on a {nproc // ep}x{ep} (dp x ep) mesh, {EXPERTS} experts "
+        f"top-2: the losses of {STEPS} steps and the parameters equal"
+    ), result
     check_report(result.stdout, nproc, ep)
     diffs = DIFFS.findall(result.stdout)
     assert [int(d[0]) for d in diffs] == list(range(nproc)), result
@@ -66,13 +94,19 @@ def test_wrong_expert_gradient_sum_fails(flag):
     # rank's experts' gradients; either way the parameters (and the losses after step 0) leave one process's
     result = run_lesson(LESSON, flag, nproc=2, launcher="warm", timeout=T)
     assert_fails(result, "differs from one process beyond --tol 2e-05")
-    assert re.search(r"beyond --tol 2e-05: loss \S+e-0[1-3], parameters \S+e-0[1-3]", result.output), result
+    assert re.search(
+        r"beyond --tol 2e-05: loss \S+e-0[1-3], parameters \S+e-0[1-3]", result.output
+    ), result
 
 
-@pytest.mark.parametrize("args,message", [
-    (("--ep", "3"), "--ep 3 must divide the 2 ranks: pick a divisor of 2"),
-    (("--experts", "7"), "--experts 7 must be a multiple of --ep 2: pick --experts 6"),
-    (("--top-k", "9"), "--top-k must be between 1 and --experts (8), got 9")])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("--ep", "3"), "--ep 3 must divide the 2 ranks: pick a divisor of 2"),
+        (("--experts", "7"), "--experts 7 must be a multiple of --ep 2: pick --experts 6"),
+        (("--top-k", "9"), "--top-k must be between 1 and --experts (8), got 9"),
+    ],
+)
 def test_bad_flags_are_one_line(args, message):
     result = run_lesson(LESSON, *args, nproc=2, launcher="warm", timeout=T)
     assert_fails(result, message, within=2)

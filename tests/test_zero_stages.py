@@ -2,6 +2,7 @@
 process's Adam with the bytes per rank of DDP and ZeRO-1/2/3 checked against the formula, at 2 (torchrun), 3
 (`python --nproc`, uneven padding) and 4 ranks (warm); ZeroRedundancyOptimizer saved at 2 ranks, resumed at 3,
 equal to an uninterrupted run at 4; each taught step removed on purpose; bad flags."""
+
 import re
 import shutil
 
@@ -23,20 +24,32 @@ def within_tolerance(out, label):
 def check_stages(result, nproc):
     out = result.stdout
     within_tolerance(out, "ZeRO-2")
-    psi = int(re.search(r"Ψ = ([\d,]+) parameters on N = (\d+) ranks", out).group(1).replace(",", ""))
-    rows = {m.group(1): [int(v.replace(",", "")) for v in m.groups()[1:]] for m in re.finditer(
-        r"^(DDP|ZeRO-\d) +([\d,]+) +([\d,]+) +([\d,]+) +([\d,]+)  ", out, re.M)}
+    psi = int(
+        re.search(r"Ψ = ([\d,]+) parameters on N = (\d+) ranks", out).group(1).replace(",", "")
+    )
+    rows = {
+        m.group(1): [int(v.replace(",", "")) for v in m.groups()[1:]]
+        for m in re.finditer(r"^(DDP|ZeRO-\d) +([\d,]+) +([\d,]+) +([\d,]+) +([\d,]+)  ", out, re.M)
+    }
     assert set(rows) == {"DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"}, out
     # (params, grads, Adam state) in units of 4 bytes per parameter; padding adds under N floats per flat
     # buffer (4 per ZeRO-3 layer) and Adam's `step` counters 4 bytes per optimized tensor
-    ideal = {"DDP": (1, 1, 2), "ZeRO-1": (1, 1, 2 / nproc), "ZeRO-2": (1, 1 / nproc, 2 / nproc),
-             "ZeRO-3": (1 / nproc, 1 / nproc, 2 / nproc)}
+    ideal = {
+        "DDP": (1, 1, 2),
+        "ZeRO-1": (1, 1, 2 / nproc),
+        "ZeRO-2": (1, 1 / nproc, 2 / nproc),
+        "ZeRO-3": (1 / nproc, 1 / nproc, 2 / nproc),
+    }
     for name, (params, grads, state, total) in rows.items():
         assert total == params + grads + state, out
         for measured, share in zip((params, grads, state), ideal[name]):
             assert 0 <= measured - 4 * psi * share <= 4 * 4 * nproc + 4 * 8, (name, out)
-    totals = [line for line in out.splitlines() if re.match(r"\[rank \d\] DDP [\d,]+ B, ZeRO-1", line)]
-    assert len(totals) == nproc and len({t.split("] ")[1] for t in totals}) == 1, out  # every rank alike
+    totals = [
+        line for line in out.splitlines() if re.match(r"\[rank \d\] DDP [\d,]+ B, ZeRO-1", line)
+    ]
+    assert len(totals) == nproc and len({t.split("] ")[1] for t in totals}) == 1, (
+        out
+    )  # every rank alike
 
 
 def test_stages_torchrun_2():
@@ -70,8 +83,11 @@ def test_stages_keeping_the_full_gradient_fails_the_memory_check():
 
 
 def test_stages_batch_must_divide():
-    assert_fails(run_lesson(STAGES, "--batch", "49", nproc=2, launcher="warm", timeout=TIMEOUT),
-                 "--batch 49 must divide by 2 ranks", within=2)
+    assert_fails(
+        run_lesson(STAGES, "--batch", "49", nproc=2, launcher="warm", timeout=TIMEOUT),
+        "--batch 49 must divide by 2 ranks",
+        within=2,
+    )
 
 
 def check_zro(result, nproc, end):
@@ -79,7 +95,10 @@ def check_zro(result, nproc, end):
     within_tolerance(out, f"uninterrupted plain Adam, one process| after {end} steps:")
     owned = re.findall(r"^\[rank \d\] owns (\d+) of 8 tensors \(([\d,]+) parameters\)", out, re.M)
     assert len(owned) == nproc, out
-    assert sum(int(t) for t, _ in owned) == 8 and sum(int(n.replace(",", "")) for _, n in owned) == 2074, out
+    assert (
+        sum(int(t) for t, _ in owned) == 8
+        and sum(int(n.replace(",", "")) for _, n in owned) == 2074
+    ), out
     assert "saved" in out and f"at step {end} on {nproc} ranks" in out, out
 
 
@@ -87,7 +106,9 @@ def check_zro(result, nproc, end):
 def saved_at_2(tmp_path_factory):
     """The first 5 of 10 steps at 2 ranks under real torchrun, saved; each test resumes from a copy."""
     path = tmp_path_factory.mktemp("zro") / "step5.pt"
-    result = run_lesson(ZRO, "--checkpoint", path, "--stop-at", "5", nproc=2, launcher="torchrun", timeout=TIMEOUT)
+    result = run_lesson(
+        ZRO, "--checkpoint", path, "--stop-at", "5", nproc=2, launcher="torchrun", timeout=TIMEOUT
+    )
     return path, result
 
 
@@ -106,36 +127,64 @@ def test_zro_torchrun_2_saves(saved_at_2):
 
 def test_zro_resumed_at_3_equals_uninterrupted_at_4(saved_at_2, tmp_path):
     resumed = resume_copy(saved_at_2, tmp_path)
-    result = run_lesson(ZRO, "--checkpoint", resumed, "--resume", nproc=3, launcher="python", timeout=TIMEOUT)
+    result = run_lesson(
+        ZRO, "--checkpoint", resumed, "--resume", nproc=3, launcher="python", timeout=TIMEOUT
+    )
     assert "resumed from 5" in assert_ok(result)
     assert "(step 5, written by 2 ranks) on 3 ranks" in result.stdout, result
     check_zro(result, 3, 10)
     whole = tmp_path / "whole.pt"
-    uninterrupted = run_lesson(ZRO, "--checkpoint", whole, nproc=4, launcher="warm", timeout=TIMEOUT)
+    uninterrupted = run_lesson(
+        ZRO, "--checkpoint", whole, nproc=4, launcher="warm", timeout=TIMEOUT
+    )
     assert_ok(uninterrupted)
     check_zro(uninterrupted, 4, 10)
     a, b = (torch.load(p, weights_only=True, map_location="cpu") for p in (resumed, whole))
     assert a["step"] == b["step"] == 10 and (a["world_size"], b["world_size"]) == (3, 4)
-    for name in b["model"]:  # float32 rounding only (the order of sums differs with N), as the lesson's check
+    for name in b[
+        "model"
+    ]:  # float32 rounding only (the order of sums differs with N), as the lesson's check
         assert (a["model"][name] - b["model"][name]).abs().max() < 1e-4, name
-    assert a["optim"]["state"].keys() == b["optim"]["state"].keys() and len(b["optim"]["state"]) == 8
+    assert (
+        a["optim"]["state"].keys() == b["optim"]["state"].keys() and len(b["optim"]["state"]) == 8
+    )
     for index, state in b["optim"]["state"].items():
         for key, value in state.items():
             assert (a["optim"]["state"][index][key] - value).abs().max() < 1e-4, (index, key)
 
 
 def test_zro_resume_without_optimizer_state_fails(saved_at_2, tmp_path):
-    result = run_lesson(ZRO, "--checkpoint", resume_copy(saved_at_2, tmp_path), "--resume", "--skip-optimizer-load",
-                        nproc=3, launcher="warm", timeout=TIMEOUT)
+    result = run_lesson(
+        ZRO,
+        "--checkpoint",
+        resume_copy(saved_at_2, tmp_path),
+        "--resume",
+        "--skip-optimizer-load",
+        nproc=3,
+        launcher="warm",
+        timeout=TIMEOUT,
+    )
     assert_fails(result, "ZeroRedundancyOptimizer differs from plain Adam by")
 
 
 def test_zro_a_parameter_outside_every_shard_fails_the_shard_check(tmp_path):
-    result = run_lesson(ZRO, "--leave-out-last", "--checkpoint", str(tmp_path / "z.pt"), nproc=2, launcher="warm",
-                        timeout=TIMEOUT)
-    assert_fails(result, "the ranks' optimizer shards hold [7, 2070] tensors/elements, not [8, 2074]")
+    result = run_lesson(
+        ZRO,
+        "--leave-out-last",
+        "--checkpoint",
+        str(tmp_path / "z.pt"),
+        nproc=2,
+        launcher="warm",
+        timeout=TIMEOUT,
+    )
+    assert_fails(
+        result, "the ranks' optimizer shards hold [7, 2070] tensors/elements, not [8, 2074]"
+    )
 
 
 def test_zro_bad_stop_at():
-    assert_fails(run_lesson(ZRO, "--stop-at", "11", nproc=2, launcher="warm", timeout=TIMEOUT),
-                 "--stop-at must be between 0 and --steps (10)", within=2)
+    assert_fails(
+        run_lesson(ZRO, "--stop-at", "11", nproc=2, launcher="warm", timeout=TIMEOUT),
+        "--stop-at must be between 0 and --steps (10)",
+        within=2,
+    )

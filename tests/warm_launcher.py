@@ -63,6 +63,7 @@ reader-facing run):
 - On a GPU machine the server must not touch CUDA before forking (it does not: import only); not
   tried on GPUs here.
 """
+
 import atexit
 import json
 import os
@@ -77,17 +78,40 @@ import time
 GRACE_S = 5  # SIGTERM -> SIGKILL, as torchrun does when one worker fails (it waits up to 30 s)
 # What the lessons import that costs time (fsdp and pipelining pull in torch._dynamo: ~1 s each on an idle
 # core). None of these starts a thread at import (serve() checks that before every fork).
-PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "numpy", "torch.nn.parallel",
-           "torch.distributed.device_mesh", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
-           "torch.distributed.fsdp", "torch.distributed.checkpoint", "torch.distributed.pipelining"]
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.multiprocessing",
+    "numpy",
+    "torch.nn.parallel",
+    "torch.distributed.device_mesh",
+    "torch.distributed.tensor",
+    "torch.distributed.tensor.parallel",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "torch.distributed.pipelining",
+]
 # Read once when a process (or torch/numpy/OpenMP/OpenBLAS) starts, so a forked rank cannot change them
 # by setting os.environ: runs whose values differ get a server of their own.
-STARTUP_VARS = ("PYTHON", "LD_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "MALLOC_", "TORCH_", "TORCHINDUCTOR_",
-                "TORCHDYNAMO_", "CUDA_")
+STARTUP_VARS = (
+    "PYTHON",
+    "LD_",
+    "OMP_",
+    "KMP_",
+    "GOMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "MALLOC_",
+    "TORCH_",
+    "TORCHINDUCTOR_",
+    "TORCHDYNAMO_",
+    "CUDA_",
+)
 MAX_SERVERS = 3
 
 
 # ---------------------------------------------------------------------------------------------- server
+
 
 def _threads():
     return len(os.listdir("/proc/self/task"))
@@ -101,6 +125,7 @@ def serve(control_fd):
     """Import torch once, then fork a supervisor per request until the control socket closes."""
     control = socket.socket(fileno=control_fd)
     import importlib
+
     for name in PRELOAD:
         importlib.import_module(name)
     control.send(json.dumps({"ready": os.getpid(), "threads": _threads()}).encode())
@@ -119,7 +144,10 @@ def serve(control_fd):
         request = json.loads(message)
         run_socket = socket.socket(fileno=fds[2])
         if _threads() != 1:  # see "Fork safety" above: never fork with threads
-            _send(run_socket, error=f"warm launcher server has {_threads()} threads; forking it is unsafe")
+            _send(
+                run_socket,
+                error=f"warm launcher server has {_threads()} threads; forking it is unsafe",
+            )
         elif os.fork() == 0:
             try:
                 os.setsid()  # the run's process group: the client kills it as a whole
@@ -127,6 +155,7 @@ def serve(control_fd):
                 _supervise(request, fds[0], fds[1], run_socket)
             except BaseException:
                 import traceback
+
                 traceback.print_exc()  # into the run's stderr once _supervise has redirected it
             finally:
                 os.killpg(0, signal.SIGKILL)  # never leave ranks behind
@@ -137,21 +166,36 @@ def serve(control_fd):
 
 # ------------------------------------------------------------------------------------------ supervisor
 
+
 def _rank_env(request, rank, port, error_dir):
     nproc = request["nproc"]
     env = dict(request["env"])
     for key in [k for k in env if k.startswith("TORCHELASTIC_")]:
         del env[key]
-    if nproc > 1:  # torch/distributed/run.py: set to 1 "in default" when several workers share a node
+    if (
+        nproc > 1
+    ):  # torch/distributed/run.py: set to 1 "in default" when several workers share a node
         env.setdefault("OMP_NUM_THREADS", "1")
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_NAME="default",
-               WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_WORLD_SIZE="1",
-               ROLE_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               TORCHELASTIC_RUN_ID="none", TORCHELASTIC_USE_AGENT_STORE="True",
-               TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
-               TORCHELASTIC_ERROR_FILE=os.path.join(error_dir, "attempt_0", str(rank), "error.json"),
-               TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-               TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        GROUP_RANK="0",
+        ROLE_RANK=str(rank),
+        ROLE_NAME="default",
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        GROUP_WORLD_SIZE="1",
+        ROLE_WORLD_SIZE=str(nproc),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_RUN_ID="none",
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        TORCHELASTIC_RESTART_COUNT="0",
+        TORCHELASTIC_MAX_RESTARTS="0",
+        TORCHELASTIC_ERROR_FILE=os.path.join(error_dir, "attempt_0", str(rank), "error.json"),
+        TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
+    )
     return env
 
 
@@ -165,6 +209,7 @@ def _supervise(request, out_fd, err_fd, run_socket):
     listener.listen(512)
     port = listener.getsockname()[1]
     import tempfile
+
     error_dir = tempfile.mkdtemp(prefix="torchelastic_warm_")
     pids = {}
     for rank in range(request["nproc"]):
@@ -184,25 +229,46 @@ def _supervise(request, out_fd, err_fd, run_socket):
     # (torch/distributed/elastic/rendezvous/static_tcp_rendezvous.py) and its workers connect as clients.
     import datetime
     import torch.distributed as dist
+
     try:
-        store = dist.TCPStore("127.0.0.1", port, 1, True, datetime.timedelta(seconds=300),
-                              multi_tenant=True, master_listen_fd=listener.detach())
+        store = dist.TCPStore(
+            "127.0.0.1",
+            port,
+            1,
+            True,
+            datetime.timedelta(seconds=300),
+            multi_tenant=True,
+            master_listen_fd=listener.detach(),
+        )
     except Exception as error:  # the ranks will fail to connect: say why
         os.write(2, f"warm_launcher: cannot host the store on port {port}: {error}\n".encode())
     codes, failed = _wait_for_ranks(pids, run_socket)
     if failed is not None:
-        os.write(2, (f"warm_launcher: rank {failed} failed first (exit code {codes[failed]}); the others were "
-                     f"stopped; exit codes by rank: {[codes[r] for r in range(len(codes))]}\n").encode())
+        os.write(
+            2,
+            (
+                f"warm_launcher: rank {failed} failed first (exit code {codes[failed]}); the others were "
+                f"stopped; exit codes by rank: {[codes[r] for r in range(len(codes))]}\n"
+            ).encode(),
+        )
     import shutil
+
     shutil.rmtree(error_dir, ignore_errors=True)
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)  # our copies of the pipes: the client reads to end of file
     os.dup2(devnull, 2)
     import resource
+
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # the ranks' CPU time, for measurements
-    _send(run_socket, codes=[codes[r] for r in range(len(codes))], failed=failed,
-          cpu_s=round(usage.ru_utime + usage.ru_stime, 3))
-    run_socket.recv(1)  # wait until the client has killed our group (or gone): keeps the group id ours
+    _send(
+        run_socket,
+        codes=[codes[r] for r in range(len(codes))],
+        failed=failed,
+        cpu_s=round(usage.ru_utime + usage.ru_stime, 3),
+    )
+    run_socket.recv(
+        1
+    )  # wait until the client has killed our group (or gone): keeps the group id ours
     os._exit(0)
 
 
@@ -246,6 +312,7 @@ def _signal(pids, sig):
 
 # ------------------------------------------------------------------------------------------------ rank
 
+
 def _rank_main(request, env):
     """Become `python script args...` started by torchrun, run it, and exit the way python would."""
     script = request["script"]
@@ -255,14 +322,20 @@ def _rank_main(request, env):
     sys.argv = [script, *request["args"]]
     sys.orig_argv = [sys.executable, "-u", script, *request["args"]]  # torchrun starts `python -u`
     sys.path[0] = os.path.dirname(os.path.realpath(script))
-    if "numpy" in sys.modules:  # a fresh process seeds numpy's global generator from the OS; do so too
+    if (
+        "numpy" in sys.modules
+    ):  # a fresh process seeds numpy's global generator from the OS; do so too
         sys.modules["numpy"].random.seed()
     if not os.path.isfile(script):  # what `python missing.py` prints
-        os.write(2, f"{sys.executable}: can't open file {script!r}: [Errno 2] No such file or directory\n".encode())
+        os.write(
+            2,
+            f"{sys.executable}: can't open file {script!r}: [Errno 2] No such file or directory\n".encode(),
+        )
         os._exit(2)
     code = 0
     try:
         import runpy
+
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exit_:
         code = _exit_code(exit_.code)
@@ -276,6 +349,7 @@ def _rank_main(request, env):
     try:
         threading._shutdown()  # what the interpreter does at exit: join non-daemon threads, run atexit
         import atexit as atexit_
+
         atexit_._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -294,6 +368,7 @@ def _exit_code(code):
 
 # ---------------------------------------------------------------------------------------------- client
 
+
 class ServerGone(Exception):
     """The server ended before it started the run: a new one may run it."""
 
@@ -304,10 +379,19 @@ class Server:
     def __init__(self, env, cwd, start_timeout=300):
         self.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         server_env = dict(env)
-        server_env.setdefault("OMP_NUM_THREADS", "1")  # else numpy's OpenBLAS starts threads at import
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", str(theirs.fileno())],
-                                     env=server_env, cwd=cwd, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        server_env.setdefault(
+            "OMP_NUM_THREADS", "1"
+        )  # else numpy's OpenBLAS starts threads at import
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--serve", str(theirs.fileno())],
+            env=server_env,
+            cwd=cwd,
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         theirs.close()
         self.control.settimeout(start_timeout)
         try:
@@ -369,8 +453,10 @@ class Server:
                     if "error" in messages:
                         raise RuntimeError(messages["error"])
                     if group is None:
-                        raise ServerGone("the warm launcher ended before it started the run: "
-                                         + _text(chunks[err_r])[-2000:])
+                        raise ServerGone(
+                            "the warm launcher ended before it started the run: "
+                            + _text(chunks[err_r])[-2000:]
+                        )
                     break  # the supervisor died without a verdict: its ranks get killed below
             if group is not None:  # every process of the run, whatever happened
                 try:
@@ -402,10 +488,19 @@ class Server:
             returncode = -signal.SIGKILL
         elif codes is None:
             returncode = 1
-            chunks[err_r].append(b"warm_launcher: the supervisor of the run died before all ranks ended\n")
+            chunks[err_r].append(
+                b"warm_launcher: the supervisor of the run died before all ranks ended\n"
+            )
         else:
             returncode = 0 if all(c == 0 for c in codes) else 1
-        return messages.get("port"), returncode, _text(chunks[out_r]), _text(chunks[err_r]), timed_out, codes
+        return (
+            messages.get("port"),
+            returncode,
+            _text(chunks[out_r]),
+            _text(chunks[err_r]),
+            timed_out,
+            codes,
+        )
 
 
 def _text(chunks):
@@ -449,9 +544,13 @@ def run(script, args=(), nproc=2, env=None, cwd=None, timeout=120):
                     _servers.pop(next(iter(_servers))).close()
                 started = time.monotonic()
                 server = Server(env, cwd)
-                if os.environ.get("TEST_LAUNCH_LOG"):  # to count server starts (each imports PRELOAD)
+                if os.environ.get(
+                    "TEST_LAUNCH_LOG"
+                ):  # to count server starts (each imports PRELOAD)
                     with open(os.environ["TEST_LAUNCH_LOG"], "a") as f:
-                        f.write(f"warm-server {time.monotonic() - started:.1f} 0.0 {' '.join(f'{k}={v}' for k, v in key)}\n")
+                        f.write(
+                            f"warm-server {time.monotonic() - started:.1f} 0.0 {' '.join(f'{k}={v}' for k, v in key)}\n"
+                        )
             _servers[key] = server  # most recently used last
             try:
                 port, *result = server.run(script, args, nproc, env, cwd, timeout)
@@ -460,8 +559,15 @@ def run(script, args=(), nproc=2, env=None, cwd=None, timeout=120):
                 _servers.pop(key).close()
                 if attempt:
                     raise
-    command = [sys.executable, os.path.abspath(__file__), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-               f"--master_port={port}", script, *args]
+    command = [
+        sys.executable,
+        os.path.abspath(__file__),
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+        script,
+        *args,
+    ]
     return (command, *result)
 
 
@@ -469,16 +575,24 @@ def main():
     if sys.argv[1:2] == ["--serve"]:
         return serve(int(sys.argv[2]))
     import argparse
-    parser = argparse.ArgumentParser(description="torchrun for the tests, with ranks forked from a warm process")
+
+    parser = argparse.ArgumentParser(
+        description="torchrun for the tests, with ranks forked from a warm process"
+    )
     parser.add_argument("--nproc_per_node", "--nproc-per-node", type=int, default=2)
-    parser.add_argument("--master_addr", "--master-addr", default="127.0.0.1", help="only 127.0.0.1")
-    parser.add_argument("--master_port", "--master-port", help="ignored: a free port is always picked")
+    parser.add_argument(
+        "--master_addr", "--master-addr", default="127.0.0.1", help="only 127.0.0.1"
+    )
+    parser.add_argument(
+        "--master_port", "--master-port", help="ignored: a free port is always picked"
+    )
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     options = parser.parse_args()
-    _, code, out, err, timed_out, _ = run(options.script, options.args, options.nproc_per_node,
-                                          timeout=options.timeout)
+    _, code, out, err, timed_out, _ = run(
+        options.script, options.args, options.nproc_per_node, timeout=options.timeout
+    )
     sys.stdout.write(out)
     sys.stderr.write(err + ("warm_launcher: timed out\n" if timed_out else ""))
     return code

@@ -25,6 +25,7 @@ The check: ddp, ddp+, fsdp, fsdp+ and tp train one model on one global batch, so
 Timings on a CPU shared with other work are noisy; compare modes within one run.
 Docs: https://pytorch.org/docs/stable/distributed.html
 """
+
 import collections
 import contextlib
 import copy
@@ -46,8 +47,13 @@ from tensor_parallel import apply_tensor_parallel
 
 MODES = ["none", "ddp", "ddp+", "fsdp", "fsdp+", "tp"]
 # part of a c10d op's name (c10d::allreduce_, c10d::_allgather_base_, ...) -> the collective it is
-KINDS = {"allreduce": "all_reduce", "allgather": "all_gather", "reduce_scatter": "reduce_scatter",
-         "broadcast": "broadcast", "alltoall": "all_to_all"}
+KINDS = {
+    "allreduce": "all_reduce",
+    "allgather": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "broadcast": "broadcast",
+    "alltoall": "all_to_all",
+}
 
 
 def build(mode, base, ctx, args):
@@ -59,21 +65,31 @@ def build(mode, base, ctx, args):
         model = DDP(model, device_ids=None if ctx.device.type == "cpu" else [ctx.device], **tuned)
         if mode == "ddp+" and args.no_grad_sync:
             model.register_comm_hook(None, keep_local)
-    elif mode.startswith("fsdp"):  # an explicit mesh: without one FSDP2 picks the accelerator even on CPU + Gloo
+    elif mode.startswith(
+        "fsdp"
+    ):  # an explicit mesh: without one FSDP2 picks the accelerator even on CPU + Gloo
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         blocks = list(model.blocks.values())
-        for i, block in enumerate(blocks):  # fsdp+: the last block's backward comes first, so keep it gathered
-            fully_shard(block, mesh=mesh, reshard_after_forward=mode == "fsdp" or i < len(blocks) - 1)
+        for i, block in enumerate(
+            blocks
+        ):  # fsdp+: the last block's backward comes first, so keep it gathered
+            fully_shard(
+                block, mesh=mesh, reshard_after_forward=mode == "fsdp" or i < len(blocks) - 1
+            )
         fully_shard(model, mesh=mesh)
-        if mode == "fsdp+":  # each block all_gathers the next one (forward) / the previous one (backward) early
+        if (
+            mode == "fsdp+"
+        ):  # each block all_gathers the next one (forward) / the previous one (backward) early
             for i, block in enumerate(blocks):
-                block.set_modules_to_forward_prefetch(blocks[i + 1:i + 2])
-                block.set_modules_to_backward_prefetch(blocks[i - 1:i] if i else [])
+                block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 2])
+                block.set_modules_to_backward_prefetch(blocks[i - 1 : i] if i else [])
             model.set_requires_gradient_sync(not args.no_grad_sync)
     elif mode == "tp":
         apply_tensor_parallel(model, init_device_mesh(ctx.device.type, (ctx.world_size,)), False)
     # fused AdamW cannot mix DTensors and plain tensors in one kernel (tp shards only the blocks)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=mode != "tp", foreach=False if mode == "tp" else None)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=1e-3, fused=mode != "tp", foreach=False if mode == "tp" else None
+    )
     return model, opt
 
 
@@ -86,8 +102,13 @@ def keep_local(_, bucket):
 
 def collectives(prof):
     """'2 all_reduce', '9 all_gather, 5 reduce_scatter', ...: the c10d ops of one profiled step."""
-    counts = collections.Counter(what for e in prof.events() if e.name.startswith("c10d::")
-                                 for part, what in KINDS.items() if part in e.name)
+    counts = collections.Counter(
+        what
+        for e in prof.events()
+        if e.name.startswith("c10d::")
+        for part, what in KINDS.items()
+        if part in e.name
+    )
     return ", ".join(f"{n} {what}" for what, n in sorted(counts.items())) or "-"
 
 
@@ -107,19 +128,34 @@ def train_step(model, opt, x, y):
 
 def main(args, ctx):
     n = ctx.world_size
-    ctx.require(args.n_head % n == 0, f"tp needs --n-head {args.n_head} to be a multiple of the {n} ranks")
-    ctx.require(args.steps > args.warmup >= 1, "--warmup must be at least 1 and --steps larger than --warmup")
+    ctx.require(
+        args.n_head % n == 0, f"tp needs --n-head {args.n_head} to be a multiple of the {n} ranks"
+    )
+    ctx.require(
+        args.steps > args.warmup >= 1,
+        "--warmup must be at least 1 and --steps larger than --warmup",
+    )
     cfg = config_from_args(args)
     torch.manual_seed(0)
     base = GPT(cfg).to(ctx.device)
     tokens = data.encode(data.generate_corpus())
-    mine = data.ShardedWindows(tokens, cfg.block_size, ctx.rank, n)  # this rank's share of each step
-    whole = data.ShardedWindows(tokens, cfg.block_size, 0, 1)          # tp: every rank, the global batch
-    per_rank = [tuple(t.to(ctx.device) for t in mine.batch(s, 0, args.batch_size)) for s in range(args.steps)]
-    global_ = [tuple(t.to(ctx.device) for t in whole.batch(s, 0, args.batch_size * n)) for s in range(args.steps)]
+    mine = data.ShardedWindows(
+        tokens, cfg.block_size, ctx.rank, n
+    )  # this rank's share of each step
+    whole = data.ShardedWindows(tokens, cfg.block_size, 0, 1)  # tp: every rank, the global batch
+    per_rank = [
+        tuple(t.to(ctx.device) for t in mine.batch(s, 0, args.batch_size))
+        for s in range(args.steps)
+    ]
+    global_ = [
+        tuple(t.to(ctx.device) for t in whole.batch(s, 0, args.batch_size * n))
+        for s in range(args.steps)
+    ]
     tokens_per_step = args.batch_size * cfg.block_size * n
-    print0(f"model: {base.num_params() / 1e6:.2f}M parameters, {cfg}; {n} rank(s), {ctx.device.type}, "
-           f"{tokens_per_step} tokens/step, median of {args.steps - args.warmup} timed steps after {args.warmup} warm-up")
+    print0(
+        f"model: {base.num_params() / 1e6:.2f}M parameters, {cfg}; {n} rank(s), {ctx.device.type}, "
+        f"{tokens_per_step} tokens/step, median of {args.steps - args.warmup} timed steps after {args.warmup} warm-up"
+    )
 
     def sync():
         if ctx.device.type != "cpu":
@@ -133,13 +169,30 @@ def main(args, ctx):
             torch.cuda.reset_peak_memory_stats(ctx.device)
         before = torch.cuda.memory_allocated(ctx.device) if ctx.device.type == "cuda" else 0
         model, opt = build(mode, base, ctx, args)
-        for i, (x, y) in enumerate(batches[:args.warmup]):  # the last warm-up step is profiled: its collectives
-            with profile(activities=[ProfilerActivity.CPU]) if i == args.warmup - 1 else contextlib.nullcontext() as prof:
+        for i, (x, y) in enumerate(
+            batches[: args.warmup]
+        ):  # the last warm-up step is profiled: its collectives
+            with (
+                profile(activities=[ProfilerActivity.CPU])
+                if i == args.warmup - 1
+                else contextlib.nullcontext() as prof
+            ):
                 train_step(model, opt, x, y)
         sync()
-        peak = (torch.cuda.max_memory_allocated(ctx.device) - before) / 2**20 if ctx.device.type == "cuda" else None
-        runs[mode] = dict(model=model, opt=opt, batches=batches, peak=peak, times=[], loss=None,
-                          sent=collectives(prof))
+        peak = (
+            (torch.cuda.max_memory_allocated(ctx.device) - before) / 2**20
+            if ctx.device.type == "cuda"
+            else None
+        )
+        runs[mode] = dict(
+            model=model,
+            opt=opt,
+            batches=batches,
+            peak=peak,
+            times=[],
+            loss=None,
+            sent=collectives(prof),
+        )
     # Then time them in turns, step by step: load from other jobs hits every mode alike.
     for step in range(args.warmup, args.steps):
         for mode, r in runs.items():
@@ -159,41 +212,75 @@ def main(args, ctx):
         if mode != "tp":
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # the mean loss over the global batch
         losses[mode] = loss.item()
-        rows.append((mode, tokens_per_step / step_time, step_time * 1e3, state_bytes(r["model"]) / 2**20, r["peak"],
-                     r["sent"]))
+        rows.append(
+            (
+                mode,
+                tokens_per_step / step_time,
+                step_time * 1e3,
+                state_bytes(r["model"]) / 2**20,
+                r["peak"],
+                r["sent"],
+            )
+        )
     base_tps = dict((r[0], r[1]) for r in rows).get("none")
-    print0(f"\n| mode | ranks | tokens/s | ms/step | state MB/rank | peak GPU MB/rank | vs none | collectives/step/rank |")
+    print0(
+        "\n| mode | ranks | tokens/s | ms/step | state MB/rank | peak GPU MB/rank | vs none | collectives/step/rank |"
+    )
     print0("|---|---|---|---|---|---|---|---|")
     for mode, tps, ms, state, peak, sent in rows:
         rel = f"{tps / base_tps:.2f}" if base_tps else "-"
-        print0(f"| {mode} | {n} | {tps:,.0f} | {ms:.1f} | {state:.2f} | "
-               f"{f'{peak:.0f}' if peak is not None else 'n/a'} | {rel} | {sent} |")
+        print0(
+            f"| {mode} | {n} | {tps:,.0f} | {ms:.1f} | {state:.2f} | "
+            f"{f'{peak:.0f}' if peak is not None else 'n/a'} | {rel} | {sent} |"
+        )
     print_ratios({mode: ms for mode, _, ms, *_ in rows})
     trained = {m: losses[m] for m in ("ddp", "ddp+", "fsdp", "fsdp+", "tp") if m in losses}
     spread = max(trained.values()) - min(trained.values()) if trained else 0.0
     if spread > args.tol:
-        raise RuntimeError(f"{', '.join(trained)} should train the same model, but their losses differ: {trained}")
+        raise RuntimeError(
+            f"{', '.join(trained)} should train the same model, but their losses differ: {trained}"
+        )
     print0("")
-    print0(f"OK: measured {', '.join(args.modes)} on {n} rank(s); "
-           f"{', '.join(trained)} ended at the same loss (spread {spread:.1e})")
+    print0(
+        f"OK: measured {', '.join(args.modes)} on {n} rank(s); "
+        f"{', '.join(trained)} ended at the same loss (spread {spread:.1e})"
+    )
 
 
 def print_ratios(ms):
     """Step time over step time, the ratios issue 18 set goals for: default settings, then tuned."""
-    pairs = [("ddp", "none"), ("fsdp", "ddp"), ("ddp+", "none"), ("fsdp+", "ddp+"), ("fsdp+", "ddp")]
+    pairs = [
+        ("ddp", "none"),
+        ("fsdp", "ddp"),
+        ("ddp+", "none"),
+        ("fsdp+", "ddp+"),
+        ("fsdp+", "ddp"),
+    ]
     found = [f"{a} / {b} {ms[a] / ms[b]:.2f}" for a, b in pairs if a in ms and b in ms]
     if found:
-        print0("\nstep time ratios (goals: ddp <= 1.05 x none, fsdp <= 1.10 x ddp): " + ", ".join(found))
+        print0(
+            "\nstep time ratios (goals: ddp <= 1.05 x none, fsdp <= 1.10 x ddp): "
+            + ", ".join(found)
+        )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=MODES)
     parser.add_argument("--steps", type=int, default=20, help="steps per mode, warm-up included")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps; the last one is profiled")
+    parser.add_argument(
+        "--warmup", type=int, default=3, help="untimed steps; the last one is profiled"
+    )
     parser.add_argument("--batch-size", type=int, default=8, help="windows per rank per step")
-    parser.add_argument("--tol", type=float, default=1e-3, help="largest loss spread accepted between modes")
-    test_flags(parser).add_argument("--no-grad-sync", action="store_true",
-                                    help="ddp+ sends no gradients, fsdp+ does no reduce_scatter: the losses differ")
-    add_model_args(parser, n_layer=4, n_head=24, n_embd=192, block_size=128)  # tp: 24 heads split 1, 2, 3, 4, 6, 8 ways
+    parser.add_argument(
+        "--tol", type=float, default=1e-3, help="largest loss spread accepted between modes"
+    )
+    test_flags(parser).add_argument(
+        "--no-grad-sync",
+        action="store_true",
+        help="ddp+ sends no gradients, fsdp+ does no reduce_scatter: the losses differ",
+    )
+    add_model_args(
+        parser, n_layer=4, n_head=24, n_embd=192, block_size=128
+    )  # tp: 24 heads split 1, 2, 3, 4, 6, 8 ways
     run(main, parser.parse_args())

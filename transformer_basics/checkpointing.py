@@ -10,6 +10,7 @@ checkpoint. export_full_model() also gathers the unsharded weights for generate.
 
 Docs: https://pytorch.org/docs/stable/distributed.checkpoint.html
 """
+
 import os
 import shutil
 from dataclasses import asdict
@@ -17,8 +18,12 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -43,7 +48,9 @@ def save_checkpoint(path, model, optimizer, scheduler, step, ctx):
             shutil.rmtree(f"{path}.old", ignore_errors=True)
     elif ctx.rank == 0:  # replicated: rank 0's copy is everyone's
         raw = model.module if isinstance(model, DDP) else model
-        torch.save({"model": raw.state_dict(), "optimizer": optimizer.state_dict(), **extra}, f"{path}.tmp")
+        torch.save(
+            {"model": raw.state_dict(), "optimizer": optimizer.state_dict(), **extra}, f"{path}.tmp"
+        )
         os.replace(f"{path}.tmp", path)
     if dist.is_initialized():
         dist.barrier()  # nobody reads or rewrites the checkpoint before it is complete
@@ -53,28 +60,42 @@ def load_checkpoint(path, model, optimizer, scheduler, ctx):
     """Restore everything save_checkpoint wrote; return the step to go on from."""
     if isinstance(model, FSDPModule):
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(), "step": 0,
-                 **saved_rng_slots(path)}
-        dcp.load(state, checkpoint_id=path)  # fills state in place: each rank reads the shards it owns
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        state = {
+            "model": model_sd,
+            "optimizer": optim_sd,
+            "scheduler": scheduler.state_dict(),
+            "step": 0,
+            **saved_rng_slots(path),
+        }
+        dcp.load(
+            state, checkpoint_id=path
+        )  # fills state in place: each rank reads the shards it owns
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
     else:
         state = torch.load(path, map_location="cpu", weights_only=True)  # no pickled code runs
         (model.module if isinstance(model, DDP) else model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    set_rng_states(state, ctx.device)  # every rank draws the same numbers (same seed): rank 0's state is everyone's
+    set_rng_states(
+        state, ctx.device
+    )  # every rank draws the same numbers (same seed): rank 0's state is everyone's
     return state["step"]
 
 
 def export_full_model(model, cfg, path, rank):
     """The unsharded state dict, gathered on rank 0 and written for generate.py (a collective)."""
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if rank == 0:
         torch.save({"config": asdict(cfg), "model": full}, f"{path}.tmp")
         os.replace(f"{path}.tmp", path)  # a reader never sees half a file
 
 
 # ---- RNG state: dropout must draw the same numbers after a resume ----
+
 
 def rng_states(device):
     """The CPU generator's state and, on an accelerator, that device's own (dropout on a GPU draws
@@ -95,16 +116,23 @@ def set_rng_states(states, device):
         torch.get_device_module(device).set_rng_state(states[mine], device)
     unused = sorted(k for k in states if k.startswith("rng_") and k != mine)
     if unused:
-        print0(f"resume: {', '.join(unused)} in the checkpoint not restored (this run is on {device.type}); "
-               f"dropout masks differ from the uninterrupted run's")
+        print0(
+            f"resume: {', '.join(unused)} in the checkpoint not restored (this run is on {device.type}); "
+            f"dropout masks differ from the uninterrupted run's"
+        )
     elif device.type != "cpu" and mine not in states:
-        print0(f"resume: the checkpoint has no {mine} (written on the CPU?); the {device.type} generator "
-               f"keeps this run's seed, dropout masks differ from the uninterrupted run's")
+        print0(
+            f"resume: the checkpoint has no {mine} (written on the CPU?); the {device.type} generator "
+            f"keeps this run's seed, dropout masks differ from the uninterrupted run's"
+        )
 
 
 def saved_rng_slots(path):
     """dcp.load fills only the keys it is given, and fails on a key the checkpoint lacks: so ask
     the checkpoint's metadata which RNG states it holds, and make room for exactly those."""
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    return {key: torch.empty(meta.size, dtype=meta.properties.dtype, device="cpu")
-            for key, meta in saved.items() if key == "rng" or key.startswith("rng_")}
+    return {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype, device="cpu")
+        for key, meta in saved.items()
+        if key == "rng" or key.startswith("rng_")
+    }

@@ -1,5 +1,6 @@
 """What transformer_basics/composition.py measures and checks against: the graphs compiled, the bytes saved
 for backward, each rank's batch, and the plain model trained on one process. Not a lesson: imported."""
+
 import copy
 
 import torch
@@ -10,9 +11,11 @@ import torch.nn.functional as F
 def counting(backend, graphs):
     """A torch.compile backend that notes each graph dynamo hands it, then compiles it with `backend`
     (torch._dynamo.lookup_backend: in torch/_dynamo/__init__.py's __all__, under a private package)."""
+
     def compile_graph(gm, example_inputs):
         graphs.append(len(gm.graph.nodes))
         return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
+
     return compile_graph
 
 
@@ -21,20 +24,28 @@ def saved_tensors(model, storages):
     (https://pytorch.org/docs/stable/autograd.html#hooks-for-saved-tensors); storages[data_ptr] = its bytes,
     so views count once; the weights are left out (they are kept anyway), also when saved as a view
     (linear saves weight.t()), by storage; a DTensor weight (FSDP2's sharded form) by its local tensor."""
+
     @torch.compiler.disable  # a hook is a frame like any other: a compiled model would try to compile it
     def pack(t):
         # read at each save, not once: inside FSDP2's forward the module's parameters are the all-gathered ones
-        weights = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for p in model.parameters()}
+        weights = {
+            getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for p in model.parameters()
+        }
         if t.untyped_storage().data_ptr() not in weights:
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
+
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
 def batch(args, step, rank, device):
     """Rank `rank`'s tokens at `step` (random bytes): a function of (seed, step, rank), so one process can replay them."""
-    tokens = torch.randint(256, (args.batch_size, args.block_size + 1), device="cpu",
-                           generator=torch.Generator().manual_seed(args.seed + 7919 * step + 104729 * rank))
+    tokens = torch.randint(
+        256,
+        (args.batch_size, args.block_size + 1),
+        device="cpu",
+        generator=torch.Generator().manual_seed(args.seed + 7919 * step + 104729 * rank),
+    )
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
@@ -43,7 +54,9 @@ def train_reference(model, args, ctx, dtype, dropout=True):
     dropout seed), the mean of their losses, one SGD step. The loss of each step."""
     model = copy.deepcopy(model).to(dtype)
     for m in model.modules() if not dropout else ():
-        if isinstance(m, nn.Dropout) or hasattr(m, "dropout"):  # nn.Dropout's p, attention's dropout
+        if isinstance(m, nn.Dropout) or hasattr(
+            m, "dropout"
+        ):  # nn.Dropout's p, attention's dropout
             m.p, m.dropout = 0.0, 0.0
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     losses = torch.zeros(args.steps, dtype=torch.float64, device="cpu")

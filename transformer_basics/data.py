@@ -12,13 +12,16 @@ batch_size * accum * world_size windows of that order; rank r reads its own disj
 (like DistributedSampler). The batch of a step is a function of (seed, step) alone, so a
 resumed run reads exactly what the uninterrupted one read.
 """
+
 import random
 from pathlib import Path
 
 import torch
 
-NUMBERS = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen " \
-          "fifteen sixteen seventeen eighteen".split()
+NUMBERS = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+    "fifteen sixteen seventeen eighteen".split()
+)
 ANIMALS = "fox owl bear cat dog hen goat wolf frog duck mole crow".split()
 COLOURS = "red brown grey black white green".split()
 PLACES = "forest river barn hill lake field cave garden".split()
@@ -44,7 +47,7 @@ def generate_corpus(n_sentences=12000, seed=1234):
             lines.append(f"{NUMBERS[a]} plus {NUMBERS[b]} is {NUMBERS[a + b]}.")
         elif kind == 3:
             start = rng.randrange(len(NUMBERS) - 4)
-            lines.append("count: " + " ".join(NUMBERS[start:start + 4]) + ".")
+            lines.append("count: " + " ".join(NUMBERS[start : start + 4]) + ".")
         else:
             other = rng.choice([x for x in ANIMALS if x != animal])
             lines.append(f"the {animal} and the {other} meet at the {world[other][1]}.")
@@ -52,7 +55,9 @@ def generate_corpus(n_sentences=12000, seed=1234):
 
 
 def encode(text):
-    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long, device="cpu")  # batches move to the device
+    return torch.tensor(
+        list(text.encode("utf-8")), dtype=torch.long, device="cpu"
+    )  # batches move to the device
 
 
 def decode(tokens):
@@ -70,7 +75,9 @@ def load_text(path):
     try:
         return p.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
-        raise ValueError(f"--data {path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+        raise ValueError(
+            f"--data {path}: not UTF-8 text ({error.reason} at byte {error.start})"
+        ) from None
 
 
 def check_tokens(tokens, block_size, path):
@@ -81,8 +88,10 @@ def check_tokens(tokens, block_size, path):
     # Both splits need at least one window of block_size + 1 tokens.
     need = 10 * (block_size + 1)
     if len(tokens) < need:
-        return (f"{name} has {len(tokens)} tokens, shorter than the {need} needed for a training and "
-                f"a validation window of --block-size {block_size} + 1: use a longer text or a smaller --block-size")
+        return (
+            f"{name} has {len(tokens)} tokens, shorter than the {need} needed for a training and "
+            f"a validation window of --block-size {block_size} + 1: use a longer text or a smaller --block-size"
+        )
     return None
 
 
@@ -120,7 +129,10 @@ class ShardedWindows:
 
     def batch(self, step, micro_step, batch_size, accum=1):
         """(x, y) on the CPU: y is x shifted by one token."""
-        starts = torch.tensor(self.indices(step, micro_step, batch_size, accum), device="cpu") * self.block_size
+        starts = (
+            torch.tensor(self.indices(step, micro_step, batch_size, accum), device="cpu")
+            * self.block_size
+        )
         rows = self.tokens[starts[:, None] + torch.arange(self.block_size + 1, device="cpu")]
         return rows[:, :-1], rows[:, 1:]
 

@@ -9,6 +9,7 @@ needs no process group and no GPU, and torch.load(weights_only=True) runs no pic
 
 Docs: https://pytorch.org/docs/stable/distributed.checkpoint.html#torch.distributed.checkpoint.state_dict.get_model_state_dict
 """
+
 import argparse
 import math
 import sys
@@ -36,19 +37,29 @@ def sample(model, prompt, tokens, temperature=0.8, top_k=10):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", default="runs/gpt/model.pt", help="a model.pt written by train.py / train_2d.py")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--checkpoint",
+        default="runs/gpt/model.pt",
+        help="a model.pt written by train.py / train_2d.py",
+    )
     parser.add_argument("--prompt", default="the ")
     parser.add_argument("--tokens", type=int, default=200, help="bytes to sample")
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-k", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--data", help="the text the model trained on (default: the generated corpus)")
+    parser.add_argument(
+        "--data", help="the text the model trained on (default: the generated corpus)"
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     path = Path(args.checkpoint)
     if not path.is_file():
-        sys.exit(f"error: no checkpoint at {path}: train first (python transformer_basics/train.py --out {path.parent})")
+        sys.exit(
+            f"error: no checkpoint at {path}: train first (python transformer_basics/train.py --out {path.parent})"
+        )
     model = load_model(path, args.device)
     cfg = model.cfg
 
@@ -69,7 +80,9 @@ def main():
     text = sample(model, args.prompt, args.tokens, args.temperature, args.top_k)
     print("sample:\n  " + text.replace("\n", "\n  "))
     if loss >= math.log(256) - 1:
-        raise SystemExit(f"error: loss {loss:.3f} is close to uniform guessing: is {path} a trained model?")
+        raise SystemExit(
+            f"error: loss {loss:.3f} is close to uniform guessing: is {path} a trained model?"
+        )
     print(f"OK: sampled {args.tokens} tokens in one process from {path} (held-out loss {loss:.3f})")
 
 

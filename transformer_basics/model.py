@@ -14,6 +14,7 @@ layers it does not own and keep the names (and so the checkpoint keys) of the re
 Attention reshapes with view(B, T, -1, head_dim): under tensor parallelism each rank holds
 n_head / tp heads, and the same code runs unchanged.
 """
+
 import math
 from dataclasses import dataclass
 
@@ -25,8 +26,8 @@ from torch.utils.checkpoint import checkpoint
 
 @dataclass
 class GPTConfig:
-    vocab_size: int = 256   # bytes (data.py)
-    block_size: int = 64    # context length
+    vocab_size: int = 256  # bytes (data.py)
+    block_size: int = 64  # context length
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
@@ -47,9 +48,12 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x):
         B, T, _ = x.shape
-        q, k, v = (lin(x).view(B, T, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        q, k, v = (
+            lin(x).view(B, T, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v)
+        )
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -81,7 +85,9 @@ class GPT(nn.Module):
     def __init__(self, cfg, activation_checkpointing=False):
         super().__init__()
         self.cfg = cfg
-        self.activation_checkpointing = activation_checkpointing  # not a weight: not in the checkpoints
+        self.activation_checkpointing = (
+            activation_checkpointing  # not a weight: not in the checkpoints
+        )
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
@@ -135,7 +141,7 @@ class GPT(nn.Module):
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
         """Sample max_new_tokens after idx (B, T), one token at a time."""
         for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.cfg.block_size:])[:, -1, :] / temperature
+            logits = self(idx[:, -self.cfg.block_size :])[:, -1, :] / temperature
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, [-1]]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -146,15 +152,25 @@ class GPT(nn.Module):
 def add_model_args(parser, **defaults):
     """--n-layer, --n-head, --n-embd, --block-size, --dropout; the GPT-2 small sizes in --help."""
     d = {**GPTConfig().__dict__, **defaults}
-    g = parser.add_argument_group("model (GPT-2 small: --n-layer 12 --n-head 12 --n-embd 768 --block-size 1024)")
+    g = parser.add_argument_group(
+        "model (GPT-2 small: --n-layer 12 --n-head 12 --n-embd 768 --block-size 1024)"
+    )
     g.add_argument("--n-layer", type=int, default=d["n_layer"])
     g.add_argument("--n-head", type=int, default=d["n_head"])
     g.add_argument("--n-embd", type=int, default=d["n_embd"])
-    g.add_argument("--block-size", type=int, default=d["block_size"], help="context length in tokens")
+    g.add_argument(
+        "--block-size", type=int, default=d["block_size"], help="context length in tokens"
+    )
     g.add_argument("--dropout", type=float, default=d["dropout"])
     return g
 
 
 def config_from_args(args, vocab_size=256):
-    return GPTConfig(vocab_size=vocab_size, block_size=args.block_size, n_layer=args.n_layer,
-                     n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout)
+    return GPTConfig(
+        vocab_size=vocab_size,
+        block_size=args.block_size,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        dropout=args.dropout,
+    )

@@ -19,6 +19,7 @@ CPU tensors only, so Gloo with CUDA tensors is refused up front.
 
 Docs: https://pytorch.org/docs/stable/distributed.pipelining.html
 """
+
 import copy
 from contextlib import nullcontext
 
@@ -42,9 +43,9 @@ def cut_stage(model, rank, stages):
         if int(name) not in mine:
             del model.blocks[name]
     if rank != 0:
-        model.wte = model.wpe = None           # forward() then takes hidden states
+        model.wte = model.wpe = None  # forward() then takes hidden states
     if rank != stages - 1:
-        model.ln_f = model.lm_head = None      # forward() then returns hidden states
+        model.ln_f = model.lm_head = None  # forward() then returns hidden states
     return model
 
 
@@ -55,16 +56,26 @@ def loss_fn(logits, targets):
 def main(args, ctx):
     p, m, rank = ctx.world_size, args.microbatches, ctx.rank
     ctx.require_point_to_point()  # stages exchange activations and gradients with send/recv
-    ctx.require(args.n_layer >= p, f"--n-layer {args.n_layer} is fewer than the {p} stages: each stage needs a block")
-    ctx.require(args.batch_size % m == 0, f"--batch-size {args.batch_size} must be a multiple of --microbatches {m}")
-    ctx.require(args.schedule != "1f1b" or m >= p, f"1F1B needs at least as many micro-batches as stages: "
-                                                  f"--microbatches {m} < {p}")
+    ctx.require(
+        args.n_layer >= p,
+        f"--n-layer {args.n_layer} is fewer than the {p} stages: each stage needs a block",
+    )
+    ctx.require(
+        args.batch_size % m == 0,
+        f"--batch-size {args.batch_size} must be a multiple of --microbatches {m}",
+    )
+    ctx.require(
+        args.schedule != "1f1b" or m >= p,
+        f"1F1B needs at least as many micro-batches as stages: --microbatches {m} < {p}",
+    )
     cfg = config_from_args(args)
     torch.manual_seed(args.seed)
-    reference = GPT(cfg).to(ctx.device)       # the whole model, trained in one process, for the check
+    reference = GPT(cfg).to(ctx.device)  # the whole model, trained in one process, for the check
     stage_model = cut_stage(copy.deepcopy(reference), rank, p)
     held = [name for name, module in stage_model.named_children() if module is not None]
-    print_in_order(f"stage {rank}: {', '.join(held)} (blocks {', '.join(stage_model.blocks.keys())})")
+    print_in_order(
+        f"stage {rank}: {', '.join(held)} (blocks {', '.join(stage_model.blocks.keys())})"
+    )
 
     stage = PipelineStage(stage_model, rank, p, ctx.device)
     schedule_class = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
@@ -75,21 +86,36 @@ def main(args, ctx):
     # matrix in the whole model; here they are two copies, kept equal by summing their gradients.
     tie_group = dist.new_group(sorted({0, p - 1}))  # every rank calls new_group, members or not
     # (one stage holds both ends: the tie is real there, nothing to sum)
-    tied = None if p == 1 else stage_model.wte.weight if rank == 0 else \
-        stage_model.lm_head.weight if rank == p - 1 else None
+    tied = (
+        None
+        if p == 1
+        else stage_model.wte.weight
+        if rank == 0
+        else stage_model.lm_head.weight
+        if rank == p - 1
+        else None
+    )
 
-    opt = torch.optim.SGD(stage_model.parameters(), lr=args.lr)   # SGD: see tensor_parallel.py
-    windows = data.ShardedWindows(data.encode(data.generate_corpus(2000)), cfg.block_size, 0, 1, args.seed)
+    opt = torch.optim.SGD(stage_model.parameters(), lr=args.lr)  # SGD: see tensor_parallel.py
+    windows = data.ShardedWindows(
+        data.encode(data.generate_corpus(2000)), cfg.block_size, 0, 1, args.seed
+    )
     ref_opt = torch.optim.SGD(reference.parameters(), lr=args.lr)
     worst_loss = worst_param = 0.0
-    for step in range(args.steps):  # the last step runs under torch.profiler, to count its sends (printed below)
-        with profile(activities=[ProfilerActivity.CPU]) if step == args.steps - 1 else nullcontext() as prof:
+    for step in range(
+        args.steps
+    ):  # the last step runs under torch.profiler, to count its sends (printed below)
+        with (
+            profile(activities=[ProfilerActivity.CPU])
+            if step == args.steps - 1
+            else nullcontext() as prof
+        ):
             x, y = (t.to(ctx.device) for t in windows.batch(step, 0, args.batch_size))
-            losses = []                             # filled on the last stage, one per micro-batch
+            losses = []  # filled on the last stage, one per micro-batch
             if p == 1:
                 schedule.step(x, target=y, losses=losses)  # one stage: both ends of the pipeline
             elif rank == 0:
-                schedule.step(x)                    # the first stage feeds the inputs...
+                schedule.step(x)  # the first stage feeds the inputs...
             elif rank == p - 1:
                 schedule.step(target=y, losses=losses)  # ...the last one the targets
             else:
@@ -98,19 +124,26 @@ def main(args, ctx):
                 dist.all_reduce(tied.grad, group=tie_group)
             opt.step()
             opt.zero_grad()
-            loss_diff, param_diff = check_step_matches_single_process(step, x, y, losses, stage_model, reference,
-                                                                      ref_opt, args, ctx)
+            loss_diff, param_diff = check_step_matches_single_process(
+                step, x, y, losses, stage_model, reference, ref_opt, args, ctx
+            )
             worst_loss, worst_param = max(worst_loss, loss_diff), max(worst_param, param_diff)
     print_traffic_and_memory(prof, stage_model, args)
     if worst_loss > args.tol:
-        raise RuntimeError(f"the pipeline's loss differs from single-process training by {worst_loss:.2e}")
+        raise RuntimeError(
+            f"the pipeline's loss differs from single-process training by {worst_loss:.2e}"
+        )
     worst = torch.tensor(worst_param, device=ctx.device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     bubble = (p - 1) / (m + p - 1)
-    print0(f"bubble: (p-1)/(m+p-1) = {p - 1}/{m + p - 1} = {bubble:.0%} of each stage's time idle "
-           f"({p} stages, {m} micro-batches)")
-    print0(f"OK: {args.schedule} pipeline of {p} stages x {m} micro-batches: losses and parameters of {args.steps} "
-           f"steps equal single-process training (max diff {worst_loss:.1e} loss, {worst.item():.1e} parameters)")
+    print0(
+        f"bubble: (p-1)/(m+p-1) = {p - 1}/{m + p - 1} = {bubble:.0%} of each stage's time idle "
+        f"({p} stages, {m} micro-batches)"
+    )
+    print0(
+        f"OK: {args.schedule} pipeline of {p} stages x {m} micro-batches: losses and parameters of {args.steps} "
+        f"steps equal single-process training (max diff {worst_loss:.1e} loss, {worst.item():.1e} parameters)"
+    )
 
 
 def print_traffic_and_memory(prof, stage_model, args):
@@ -119,12 +152,16 @@ def print_traffic_and_memory(prof, stage_model, args):
     names = [event.name for event in prof.events()]
     per_step = {op: names.count(f"c10d::{op}") for op in ("send", "recv_", "allreduce_")}
     held = sum(t.numel() * t.element_size() for t in stage_model.parameters())
-    print_in_order(f"parameters {held:,} B; last step {per_step['send']} send, {per_step['recv_']} recv "
-                   f"(activations and their gradients, {args.microbatches} micro-batches), "
-                   f"{per_step['allreduce_']} all_reduce (the tied embedding)")
+    print_in_order(
+        f"parameters {held:,} B; last step {per_step['send']} send, {per_step['recv_']} recv "
+        f"(activations and their gradients, {args.microbatches} micro-batches), "
+        f"{per_step['allreduce_']} all_reduce (the tied embedding)"
+    )
 
 
-def check_step_matches_single_process(step, x, y, losses, stage_model, reference, ref_opt, args, ctx):
+def check_step_matches_single_process(
+    step, x, y, losses, stage_model, reference, ref_opt, args, ctx
+):
     """The same step of the whole model in this process: its loss must equal the pipeline's, and
     this stage's parameters the whole model's. Returns (loss difference, largest parameter difference)."""
     ref_loss = loss_fn(reference(x), y)
@@ -133,13 +170,15 @@ def check_step_matches_single_process(step, x, y, losses, stage_model, reference
     ref_opt.zero_grad()
     last = ctx.world_size - 1
     loss = torch.stack(losses).mean() if ctx.rank == last else torch.zeros((), device=ctx.device)
-    dist.broadcast(loss, src=last)              # the loss is known on the last stage only
+    dist.broadcast(loss, src=last)  # the loss is known on the last stage only
     ref_params = dict(reference.named_parameters(remove_duplicate=False))  # lm_head.weight too
     worst = 0.0
     for name, param in stage_model.named_parameters():
         worst = max(worst, (param - ref_params[name]).abs().max().item())
         if worst > args.tol:
-            raise RuntimeError(f"step {step}: stage {ctx.rank}'s {name} differs from single-process training by {worst:.2e}")
+            raise RuntimeError(
+                f"step {step}: stage {ctx.rank}'s {name} differs from single-process training by {worst:.2e}"
+            )
     print0(f"step {step}: loss {loss.item():.4f} (single process {ref_loss.item():.4f})")
     return abs(loss.item() - ref_loss.item()), worst
 
@@ -151,7 +190,9 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=0.2)
-    parser.add_argument("--tol", type=float, default=2e-5, help="largest difference accepted (float32)")
+    parser.add_argument(
+        "--tol", type=float, default=2e-5, help="largest difference accepted (float32)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     add_model_args(parser, n_layer=8, n_embd=64, block_size=32)  # 8 blocks: up to 8 stages
     run(main, parser.parse_args())

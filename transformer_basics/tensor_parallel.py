@@ -18,14 +18,20 @@ The check: the sharded model's logits and gradients equal those of the unsharded
 
 Docs: https://pytorch.org/docs/stable/distributed.tensor.parallel.html
 """
+
 import copy
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 import data
 from launch.dist_setup import lesson_parser, print0, print_in_order, run
@@ -34,20 +40,33 @@ from model import GPT, add_model_args, config_from_args
 
 def block_plan(sequence_parallel):
     """How each Linear (and, with sequence parallel, each LayerNorm) of a Block is cut."""
-    between = Shard(1) if sequence_parallel else Replicate()  # the residual stream: split by sequence, or whole
+    between = (
+        Shard(1) if sequence_parallel else Replicate()
+    )  # the residual stream: split by sequence, or whole
     plan = {
-        "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-        "attn.proj": RowwiseParallel(output_layouts=between),   # all_reduce, or reduce_scatter to Shard(1)
+        "attn.q": ColwiseParallel(),
+        "attn.k": ColwiseParallel(),
+        "attn.v": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(
+            output_layouts=between
+        ),  # all_reduce, or reduce_scatter to Shard(1)
         "mlp.fc": ColwiseParallel(),
         "mlp.proj": RowwiseParallel(output_layouts=between),
     }
     if sequence_parallel:
-        plan.update({
-            "ln_1": SequenceParallel(), "ln_2": SequenceParallel(),  # norms on 1/tp of the tokens
-            # attention and MLP need the whole sequence: all_gather it on the way in
-            "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        })
+        plan.update(
+            {
+                "ln_1": SequenceParallel(),
+                "ln_2": SequenceParallel(),  # norms on 1/tp of the tokens
+                # attention and MLP need the whole sequence: all_gather it on the way in
+                "attn": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
+                "mlp": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
+            }
+        )
     return plan
 
 
@@ -55,11 +74,13 @@ def model_plan():
     """With sequence parallel: cut the residual stream by sequence as it enters block 0, and
     gather it back for the (whole, tied) head after the final norm."""
     return {
-        "blocks.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                       use_local_output=True),
+        "blocks.0": PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+        ),
         "ln_f": SequenceParallel(),
-        "lm_head": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                      use_local_output=True),
+        "lm_head": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        ),
     }
 
 
@@ -77,37 +98,52 @@ def full(t):
 
 def main(args, ctx):
     tp = ctx.world_size
-    ctx.require(args.n_head % tp == 0, f"--n-head {args.n_head} must be a multiple of the {tp} ranks: "
-                                       f"each rank computes whole heads")
-    ctx.require(not args.sequence_parallel or args.block_size % tp == 0,
-                f"--sequence-parallel splits --block-size {args.block_size} into {tp} equal parts: "
-                f"use a multiple of {tp}")
+    ctx.require(
+        args.n_head % tp == 0,
+        f"--n-head {args.n_head} must be a multiple of the {tp} ranks: "
+        f"each rank computes whole heads",
+    )
+    ctx.require(
+        not args.sequence_parallel or args.block_size % tp == 0,
+        f"--sequence-parallel splits --block-size {args.block_size} into {tp} equal parts: "
+        f"use a multiple of {tp}",
+    )
     cfg = config_from_args(args)
     torch.manual_seed(args.seed)
-    reference = GPT(cfg).to(ctx.device)             # the unsharded model, whole on every rank
-    model = copy.deepcopy(reference)                 # the same weights, about to be cut
+    reference = GPT(cfg).to(ctx.device)  # the unsharded model, whole on every rank
+    model = copy.deepcopy(reference)  # the same weights, about to be cut
     mesh = init_device_mesh(ctx.device.type, (tp,), mesh_dim_names=("tp",))
     apply_tensor_parallel(model, mesh, args.sequence_parallel)
 
     attn_q, mlp_fc = model.blocks["0"].attn.q.weight, model.blocks["0"].mlp.fc.weight
-    mine = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
-    print_in_order(f"attn.q.weight {tuple(attn_q.to_local().shape)} of {tuple(attn_q.shape)}, "
-                   f"mlp.fc.weight {tuple(mlp_fc.to_local().shape)} of {tuple(mlp_fc.shape)}; "
-                   f"{mine:,} of {reference.num_params(False):,} parameters on this rank")
+    mine = sum(
+        p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters()
+    )
+    print_in_order(
+        f"attn.q.weight {tuple(attn_q.to_local().shape)} of {tuple(attn_q.shape)}, "
+        f"mlp.fc.weight {tuple(mlp_fc.to_local().shape)} of {tuple(mlp_fc.shape)}; "
+        f"{mine:,} of {reference.num_params(False):,} parameters on this rank"
+    )
 
     # Plain SGD for both: parameters then agree whenever the gradients do (Adam would turn the
     # float noise of the key bias, whose exact gradient is 0, into full-size steps).
     # foreach=False: the parameter list mixes DTensors and plain tensors.
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, foreach=False)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=args.lr)
-    windows = data.ShardedWindows(data.encode(data.generate_corpus(2000)), cfg.block_size, 0, 1, args.seed)
+    windows = data.ShardedWindows(
+        data.encode(data.generate_corpus(2000)), cfg.block_size, 0, 1, args.seed
+    )
     worst_logits = worst_grad = 0.0
     for step in range(args.steps):
-        x, y = (t.to(ctx.device) for t in windows.batch(step, 0, args.batch_size))  # the same batch on every rank
+        x, y = (
+            t.to(ctx.device) for t in windows.batch(step, 0, args.batch_size)
+        )  # the same batch on every rank
         logits = model(x)
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
         loss.backward()
-        logits_diff, grad_diff = check_step_matches_unsharded(step, x, y, logits, model, reference, args)
+        logits_diff, grad_diff = check_step_matches_unsharded(
+            step, x, y, logits, model, reference, args
+        )
         worst_logits, worst_grad = max(worst_logits, logits_diff), max(worst_grad, grad_diff)
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
@@ -115,8 +151,10 @@ def main(args, ctx):
     if worst_logits > args.tol:
         raise RuntimeError(f"logits differ from the unsharded model's by {worst_logits:.2e}")
     sp = ", sequence parallel" if args.sequence_parallel else ""
-    print0(f"OK: tensor parallel on {tp} rank(s){sp}: logits and gradients of {args.steps} SGD steps equal "
-           f"the unsharded GPT's (max diff {worst_logits:.1e} logits, {worst_grad:.1e} gradients)")
+    print0(
+        f"OK: tensor parallel on {tp} rank(s){sp}: logits and gradients of {args.steps} SGD steps equal "
+        f"the unsharded GPT's (max diff {worst_logits:.1e} logits, {worst_grad:.1e} gradients)"
+    )
 
 
 def check_step_matches_unsharded(step, x, y, logits, model, reference, args):
@@ -128,17 +166,27 @@ def check_step_matches_unsharded(step, x, y, logits, model, reference, args):
     for (name, p), ref_p in zip(model.named_parameters(), reference.parameters()):
         worst_grad = max(worst_grad, (full(p.grad) - ref_p.grad).abs().max().item())
         if worst_grad > args.tol:
-            raise RuntimeError(f"step {step}: gradient of {name} differs from the unsharded model's by {worst_grad:.2e}")
+            raise RuntimeError(
+                f"step {step}: gradient of {name} differs from the unsharded model's by {worst_grad:.2e}"
+            )
     return (full(logits) - ref_logits).abs().max().item(), worst_grad
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--sequence-parallel", action="store_true", help="also split norms and activations by sequence")
+    parser.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="also split norms and activations by sequence",
+    )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--lr", type=float, default=0.2)
-    parser.add_argument("--tol", type=float, default=2e-5, help="largest difference accepted (float32)")
+    parser.add_argument(
+        "--tol", type=float, default=2e-5, help="largest difference accepted (float32)"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    add_model_args(parser, n_layer=2, n_head=24, n_embd=192, block_size=24)  # 24 heads, 24 tokens: 1, 2, 3, 4, 6, 8 ranks
+    add_model_args(
+        parser, n_layer=2, n_head=24, n_embd=192, block_size=24
+    )  # 24 heads, 24 tokens: 1, 2, 3, 4, 6, 8 ranks
     run(main, parser.parse_args())

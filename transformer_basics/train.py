@@ -15,6 +15,7 @@ for fsdp, atomic, with the RNG state) are shared with train_2d.py.
 Docs: https://pytorch.org/docs/stable/notes/ddp.html
       https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
 """
+
 from pathlib import Path
 
 import torch
@@ -31,8 +32,10 @@ from model import GPT, config_from_args
 
 
 def main(args, ctx):
-    ctx.require(args.parallel != "none" or ctx.world_size == 1,
-                f"--parallel none trains one process, not {ctx.world_size}: use --nproc 1 or --parallel ddp")
+    ctx.require(
+        args.parallel != "none" or ctx.world_size == 1,
+        f"--parallel none trains one process, not {ctx.world_size}: use --nproc 1 or --parallel ddp",
+    )
     ctx.require(args.steps > args.warmup >= 0, "--steps must be larger than --warmup")
     out = Path(args.out)
     ckpt = out / ("checkpoint" if args.parallel == "fsdp" else "checkpoint.pt")
@@ -40,45 +43,78 @@ def main(args, ctx):
     ctx.require_writable_dir(out)
     train_tokens, val_tokens = training.load_tokens(args, ctx)
     # Rank r reads the r-th disjoint share of every step's windows (like DistributedSampler).
-    train_data = data.ShardedWindows(train_tokens, args.block_size, ctx.rank, ctx.world_size, args.seed)
+    train_data = data.ShardedWindows(
+        train_tokens, args.block_size, ctx.rank, ctx.world_size, args.seed
+    )
     val_data = data.ShardedWindows(val_tokens, args.block_size, ctx.rank, ctx.world_size, args.seed)
 
-    torch.manual_seed(args.seed)  # the same initial model on every rank (DDP broadcasts rank 0's anyway)
+    torch.manual_seed(
+        args.seed
+    )  # the same initial model on every rank (DDP broadcasts rank 0's anyway)
     cfg = config_from_args(args)
-    model = GPT(cfg, activation_checkpointing=args.activation_checkpointing).to(ctx.device)  # model.py
+    model = GPT(cfg, activation_checkpointing=args.activation_checkpointing).to(
+        ctx.device
+    )  # model.py
     n_params, flops_per_token = model.num_params(), model.flops_per_token()
     if args.compile:
         model.compile()  # in place: parameter names (and so checkpoints) stay the same
     # ---- the parallelism: these lines are what train_2d.py changes ----
-    if args.parallel == "ddp":  # .grad as views into the buckets: benchmark.py's ddp+, ddp_basics/ddp_overlap.py
-        model = DDP(model, device_ids=None if ctx.device.type == "cpu" else [ctx.device], gradient_as_bucket_view=True)
-    elif args.parallel == "fsdp":  # a mesh of ctx.device's type: FSDP2 would pick the GPU even on CPU + Gloo
+    if (
+        args.parallel == "ddp"
+    ):  # .grad as views into the buckets: benchmark.py's ddp+, ddp_basics/ddp_overlap.py
+        model = DDP(
+            model,
+            device_ids=None if ctx.device.type == "cpu" else [ctx.device],
+            gradient_as_bucket_view=True,
+        )
+    elif (
+        args.parallel == "fsdp"
+    ):  # a mesh of ctx.device's type: FSDP2 would pick the GPU even on CPU + Gloo
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         blocks = list(model.blocks.values())
-        for i, block in enumerate(blocks):  # one all-gather per block, freed after use; the last block's
-            fully_shard(block, mesh=mesh, reshard_after_forward=i < len(blocks) - 1)  # backward is first: kept
+        for i, block in enumerate(
+            blocks
+        ):  # one all-gather per block, freed after use; the last block's
+            fully_shard(
+                block, mesh=mesh, reshard_after_forward=i < len(blocks) - 1
+            )  # backward is first: kept
         fully_shard(model, mesh=mesh)  # the rest (embeddings, final norm, head) as the root's group
-        for i, block in enumerate(blocks):  # gather the next block early: benchmark.py's fsdp+, fsdp_overlap.py
-            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 2])
-            block.set_modules_to_backward_prefetch(blocks[i - 1:i] if i else [])
+        for i, block in enumerate(
+            blocks
+        ):  # gather the next block early: benchmark.py's fsdp+, fsdp_overlap.py
+            block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 2])
+            block.set_modules_to_backward_prefetch(blocks[i - 1 : i] if i else [])
     # --------------------------------------------------------------------
     optimizer, scheduler = training.make_optimizer(model, args)
     start = load_checkpoint(ckpt, model, optimizer, scheduler, ctx) if args.resume else 0
-    print0(f"model: {n_params / 1e6:.2f}M parameters, {cfg}; {args.parallel} on {ctx.world_size} rank(s)"
-           + (f", resumed at step {start}" if args.resume else ""))
+    print0(
+        f"model: {n_params / 1e6:.2f}M parameters, {cfg}; {args.parallel} on {ctx.world_size} rank(s)"
+        + (f", resumed at step {start}" if args.resume else "")
+    )
     out.mkdir(parents=True, exist_ok=True)
-    result = training.fit(model, optimizer, scheduler, train_data, val_data, start, args, ctx,
-                          save=lambda step: save_checkpoint(ckpt, model, optimizer, scheduler, step, ctx))
+    result = training.fit(
+        model,
+        optimizer,
+        scheduler,
+        train_data,
+        val_data,
+        start,
+        args,
+        ctx,
+        save=lambda step: save_checkpoint(ckpt, model, optimizer, scheduler, step, ctx),
+    )
     save_checkpoint(ckpt, model, optimizer, scheduler, result.stop, ctx)  # a collective: every rank
-    export_full_model(model, cfg, out / "model.pt", ctx.rank)             # a collective: every rank
+    export_full_model(model, cfg, out / "model.pt", ctx.rank)  # a collective: every rank
 
     if args.parallel == "ddp":
         check_replicas_agree(model)
     training.print_summary(result, f"{args.parallel} x{ctx.world_size}", flops_per_token, ctx)
     training.print_sample(out / "model.pt", args, ctx)
     training.check_loss_fell(result)
-    print0(f"OK: {args.parallel} on {ctx.world_size} rank(s) trained steps {start}..{result.stop - 1}, "
-           f"val loss {result.val_first:.3f} -> {result.val_last:.3f}; checkpoint {ckpt}, model {out / 'model.pt'}")
+    print0(
+        f"OK: {args.parallel} on {ctx.world_size} rank(s) trained steps {start}..{result.stop - 1}, "
+        f"val loss {result.val_first:.3f} -> {result.val_last:.3f}; checkpoint {ckpt}, model {out / 'model.pt'}"
+    )
 
 
 def check_replicas_agree(model):
@@ -94,8 +130,11 @@ def check_replicas_agree(model):
 def parse_args(argv=None):
     parser = lesson_parser(__doc__)
     parser.add_argument("--parallel", choices=["none", "ddp", "fsdp"], default="ddp")
-    parser.add_argument("--activation-checkpointing", action="store_true",
-                        help="recompute each block's activations in backward: less memory, one more forward")
+    parser.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each block's activations in backward: less memory, one more forward",
+    )
     return training.parse_args(parser, argv, out="runs/gpt")
 
 

@@ -14,6 +14,7 @@ step's gradients equal those of the unsharded model on the whole global batch.
 Docs: https://pytorch.org/tutorials/intermediate/TP_tutorial.html
       https://pytorch.org/docs/stable/distributed.tensor.parallel.html
 """
+
 import copy
 from pathlib import Path
 
@@ -32,12 +33,21 @@ from tensor_parallel import apply_tensor_parallel
 
 
 def main(args, ctx):
-    args.tp = args.tp or (2 if ctx.world_size % 2 == 0 else 1)  # the default: 1 x 1, 2 x 1, 2 x 2, 4 x 2 ...
-    ctx.require(ctx.world_size % args.tp == 0, f"{ctx.world_size} ranks do not form a grid with --tp {args.tp}: "
-                                               f"the world size must be a multiple of --tp")
-    ctx.require(args.n_head % args.tp == 0, f"--n-head {args.n_head} must be a multiple of --tp {args.tp}")
-    ctx.require(not args.sequence_parallel or args.block_size % args.tp == 0,
-                f"--sequence-parallel needs --block-size {args.block_size} to be a multiple of --tp {args.tp}")
+    args.tp = args.tp or (
+        2 if ctx.world_size % 2 == 0 else 1
+    )  # the default: 1 x 1, 2 x 1, 2 x 2, 4 x 2 ...
+    ctx.require(
+        ctx.world_size % args.tp == 0,
+        f"{ctx.world_size} ranks do not form a grid with --tp {args.tp}: "
+        f"the world size must be a multiple of --tp",
+    )
+    ctx.require(
+        args.n_head % args.tp == 0, f"--n-head {args.n_head} must be a multiple of --tp {args.tp}"
+    )
+    ctx.require(
+        not args.sequence_parallel or args.block_size % args.tp == 0,
+        f"--sequence-parallel needs --block-size {args.block_size} to be a multiple of --tp {args.tp}",
+    )
     ctx.require(args.steps > args.warmup >= 0, "--steps must be larger than --warmup")
     out = Path(args.out)
     ckpt = out / "checkpoint"
@@ -47,8 +57,12 @@ def main(args, ctx):
     dp = ctx.world_size // args.tp
     mesh = init_device_mesh(ctx.device.type, (dp, args.tp), mesh_dim_names=("dp", "tp"))
     # The ranks of one tp row read the same windows: the data is sharded by dp rank.
-    train_data = data.ShardedWindows(train_tokens, args.block_size, mesh["dp"].get_local_rank(), dp, args.seed)
-    val_data = data.ShardedWindows(val_tokens, args.block_size, mesh["dp"].get_local_rank(), dp, args.seed)
+    train_data = data.ShardedWindows(
+        train_tokens, args.block_size, mesh["dp"].get_local_rank(), dp, args.seed
+    )
+    val_data = data.ShardedWindows(
+        val_tokens, args.block_size, mesh["dp"].get_local_rank(), dp, args.seed
+    )
 
     torch.manual_seed(args.seed)  # the same initial model on every rank: each keeps its part
     cfg = config_from_args(args)
@@ -65,23 +79,36 @@ def main(args, ctx):
     # --------------------------------------------------------------------
     optimizer, scheduler = training.make_optimizer(model, args)
     start = load_checkpoint(ckpt, model, optimizer, scheduler, ctx) if args.resume else 0
-    print0(f"model: {n_params / 1e6:.2f}M parameters, {cfg}; fsdp+tp on a {dp}x{args.tp} mesh"
-           + (f", resumed at step {start}" if args.resume else ""))
+    print0(
+        f"model: {n_params / 1e6:.2f}M parameters, {cfg}; fsdp+tp on a {dp}x{args.tp} mesh"
+        + (f", resumed at step {start}" if args.resume else "")
+    )
     if reference is not None:
         check_first_step(model, reference, train_data, args, ctx)
         del reference
     out.mkdir(parents=True, exist_ok=True)
-    result = training.fit(model, optimizer, scheduler, train_data, val_data, start, args, ctx,
-                          save=lambda step: save_checkpoint(ckpt, model, optimizer, scheduler, step, ctx),
-                          clip=clip_grad_norm_2d)
+    result = training.fit(
+        model,
+        optimizer,
+        scheduler,
+        train_data,
+        val_data,
+        start,
+        args,
+        ctx,
+        save=lambda step: save_checkpoint(ckpt, model, optimizer, scheduler, step, ctx),
+        clip=clip_grad_norm_2d,
+    )
     save_checkpoint(ckpt, model, optimizer, scheduler, result.stop, ctx)  # a collective: every rank
-    export_full_model(model, cfg, out / "model.pt", ctx.rank)             # a collective: every rank
+    export_full_model(model, cfg, out / "model.pt", ctx.rank)  # a collective: every rank
 
     training.print_summary(result, f"fsdp+tp {dp}x{args.tp}", flops_per_token, ctx)
     training.print_sample(out / "model.pt", args, ctx)
     training.check_loss_fell(result)
-    print0(f"OK: fsdp+tp on a {dp}x{args.tp} mesh trained steps {start}..{result.stop - 1}, "
-           f"val loss {result.val_first:.3f} -> {result.val_last:.3f}; checkpoint {ckpt}, model {out / 'model.pt'}")
+    print0(
+        f"OK: fsdp+tp on a {dp}x{args.tp} mesh trained steps {start}..{result.stop - 1}, "
+        f"val loss {result.val_first:.3f} -> {result.val_last:.3f}; checkpoint {ckpt}, model {out / 'model.pt'}"
+    )
 
 
 def clip_grad_norm_2d(model, max_norm):
@@ -91,7 +118,9 @@ def clip_grad_norm_2d(model, max_norm):
     for p in model.parameters():
         if p.grad is not None:
             by_mesh.setdefault(p.grad.device_mesh, []).append(p)
-    norms = [torch.nn.utils.get_total_norm([p.grad for p in ps]).full_tensor() for ps in by_mesh.values()]
+    norms = [
+        torch.nn.utils.get_total_norm([p.grad for p in ps]).full_tensor() for ps in by_mesh.values()
+    ]
     total = torch.linalg.vector_norm(torch.stack(norms))
     for ps in by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
@@ -104,12 +133,18 @@ def check_first_step(model, reference, train_data, args, ctx):
     In float32 without dropout (eval mode), whatever --dtype and --dropout train with: both models
     are then the same function, so only the order of sums differs (reduce-scatter over dp, TP's
     all_reduce, matmul splits), a few float32 ulps of each gradient, far below --tol 2e-5."""
+
     def batches(windows):
-        return [tuple(t.to(ctx.device) for t in windows.batch(0, micro, args.batch_size, args.accum))
-                for micro in range(args.accum)]
+        return [
+            tuple(t.to(ctx.device) for t in windows.batch(0, micro, args.batch_size, args.accum))
+            for micro in range(args.accum)
+        ]
+
     local = batches(train_data)
-    every_row = [data.ShardedWindows(train_data.tokens, args.block_size, d, train_data.world_size, args.seed)
-                 for d in range(train_data.world_size)]
+    every_row = [
+        data.ShardedWindows(train_data.tokens, args.block_size, d, train_data.world_size, args.seed)
+        for d in range(train_data.world_size)
+    ]
     whole = [batch for windows in every_row for batch in batches(windows)]
     model.eval(), reference.eval()
     for x, y in local:
@@ -121,20 +156,38 @@ def check_first_step(model, reference, train_data, args, ctx):
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         worst = max(worst, (grad - ref_p.grad).abs().max().item())
         if worst > args.tol:
-            raise RuntimeError(f"first step: gradient of {name} differs from the unsharded model's by {worst:.2e}")
+            raise RuntimeError(
+                f"first step: gradient of {name} differs from the unsharded model's by {worst:.2e}"
+            )
     model.zero_grad(set_to_none=True)
     model.train()
-    print0(f"check: step 0's gradients (float32) equal the unsharded model's on the global batch (max diff {worst:.1e})")
+    print0(
+        f"check: step 0's gradients (float32) equal the unsharded model's on the global batch (max diff {worst:.1e})"
+    )
 
 
 def parse_args(argv=None):
     parser = lesson_parser(__doc__)
-    parser.add_argument("--tp", type=int, default=0,
-                        help="tensor-parallel size (a row of the mesh); dp = ranks / tp (default: 2 on an even world size, else 1)")
-    parser.add_argument("--sequence-parallel", action="store_true", help="also split norms and activations by sequence")
-    parser.add_argument("--check", type=int, default=1, help="1: check step 0 against the unsharded model")
-    parser.add_argument("--tol", type=float, default=2e-5,
-                        help="largest gradient difference the check accepts (float32, see check_first_step)")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=0,
+        help="tensor-parallel size (a row of the mesh); dp = ranks / tp (default: 2 on an even world size, else 1)",
+    )
+    parser.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="also split norms and activations by sequence",
+    )
+    parser.add_argument(
+        "--check", type=int, default=1, help="1: check step 0 against the unsharded model"
+    )
+    parser.add_argument(
+        "--tol",
+        type=float,
+        default=2e-5,
+        help="largest gradient difference the check accepts (float32, see check_first_step)",
+    )
     # 12 heads, 48 tokens: tp = 1, 2, 3, 4, 6
     return training.parse_args(parser, argv, out="runs/gpt_2d", n_head=12, n_embd=96, block_size=48)
 

@@ -7,6 +7,7 @@ A step: `accum` micro-batches per rank, gradients synchronised on the last one o
 
 Docs: https://pytorch.org/docs/stable/notes/ddp.html, .../distributed.fsdp.fully_shard.html
 """
+
 import contextlib
 import math
 import sys
@@ -26,36 +27,55 @@ from generate import load_model, sample
 from model import add_model_args
 
 # Dense bf16 peak FLOP/s by device name, for MFU; the first name found in the device's name wins.
-PEAK_BF16 = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("H800", 989e12), ("B200", 2250e12),
-             ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L4", 121e12), ("A10", 125e12)]
+PEAK_BF16 = [
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("H800", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("A10", 125e12),
+]
 
 
 @dataclass
 class Result:
     start: int
-    stop: int            # the first step not trained
+    stop: int  # the first step not trained
     tokens_per_step: int
-    train_losses: list   # (step, loss averaged over ranks), every --log-every steps
+    train_losses: list  # (step, loss averaged over ranks), every --log-every steps
     val_first: float
     val_last: float
-    step_time: float     # seconds, from the second step on
+    step_time: float  # seconds, from the second step on
     bf16: bool
 
 
 def fit(model, optimizer, scheduler, train_data, val_data, start, args, ctx, save, clip=None):
     """Train steps start..stop-1 (stop: --steps, or sooner with --stop-after); save(step) every
     --save-every steps. clip(model, max_norm) clips the gradients (default: clip_grad_norm_)."""
-    ctx.require(start < args.steps, f"--resume: the checkpoint is at step {start}, nothing left of --steps {args.steps}")
+    ctx.require(
+        start < args.steps,
+        f"--resume: the checkpoint is at step {start}, nothing left of --steps {args.steps}",
+    )
     clip = clip or (lambda m, max_norm: torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm))
     stop = min(args.steps, start + args.stop_after) if args.stop_after else args.steps
-    bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and ctx.device.type == "cuda"
-                                        and torch.cuda.is_bf16_supported())
+    bf16 = args.dtype == "bfloat16" or (
+        args.dtype == "auto" and ctx.device.type == "cuda" and torch.cuda.is_bf16_supported()
+    )
     autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=bf16)
     tokens_per_step = args.batch_size * args.accum * args.block_size * train_data.world_size
-    synchronize = torch.accelerator.synchronize if ctx.device.type != "cpu" else lambda: None  # GPUs run ahead
+    synchronize = (
+        torch.accelerator.synchronize if ctx.device.type != "cpu" else lambda: None
+    )  # GPUs run ahead
 
     def loss_of(windows, step, micro):
-        x, y = (data.to_device(t, ctx.device) for t in windows.batch(step, micro, args.batch_size, args.accum))
+        x, y = (
+            data.to_device(t, ctx.device)
+            for t in windows.batch(step, micro, args.batch_size, args.accum)
+        )
         with autocast:
             logits = model(x)
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
@@ -63,7 +83,10 @@ def fit(model, optimizer, scheduler, train_data, val_data, start, args, ctx, sav
     @torch.no_grad()
     def evaluate():
         model.eval()
-        total = sum((loss_of(val_data, i, 0) for i in range(args.eval_batches)), torch.zeros((), device=ctx.device))
+        total = sum(
+            (loss_of(val_data, i, 0) for i in range(args.eval_batches)),
+            torch.zeros((), device=ctx.device),
+        )
         if dist.is_initialized():
             dist.all_reduce(total, op=dist.ReduceOp.AVG)  # each rank saw different windows
         model.train()
@@ -71,8 +94,14 @@ def fit(model, optimizer, scheduler, train_data, val_data, start, args, ctx, sav
 
     val_first = evaluate()
     train_losses = []
-    bar = tqdm(range(start, stop), disable=ctx.rank != 0, desc="train", unit="step",
-               dynamic_ncols=True, file=sys.stdout if args.bar_stdout else None)
+    bar = tqdm(
+        range(start, stop),
+        disable=ctx.rank != 0,
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+        file=sys.stdout if args.bar_stdout else None,
+    )
     synchronize()
     t0, t_timed = time.perf_counter(), None
     for step in bar:
@@ -81,7 +110,9 @@ def fit(model, optimizer, scheduler, train_data, val_data, start, args, ctx, sav
             t_timed = time.perf_counter()
         loss_sum = torch.zeros((), device=ctx.device)
         for micro in range(args.accum):
-            with gradient_sync(model, micro == args.accum - 1):  # ranks average on the last micro-batch only
+            with gradient_sync(
+                model, micro == args.accum - 1
+            ):  # ranks average on the last micro-batch only
                 loss = loss_of(train_data, step, micro) / args.accum
                 loss.backward()
             loss_sum += loss.detach()  # stays on the device: no host sync per step
@@ -93,8 +124,11 @@ def fit(model, optimizer, scheduler, train_data, val_data, start, args, ctx, sav
             if dist.is_initialized():
                 dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
             train_losses.append((step, loss_sum.item()))
-            bar.set_postfix(loss=f"{train_losses[-1][1]:.3f}", lr=f"{scheduler.get_last_lr()[0]:.1e}",
-                            tok_s=f"{(step - start + 1) * tokens_per_step / (time.perf_counter() - t0):,.0f}")
+            bar.set_postfix(
+                loss=f"{train_losses[-1][1]:.3f}",
+                lr=f"{scheduler.get_last_lr()[0]:.1e}",
+                tok_s=f"{(step - start + 1) * tokens_per_step / (time.perf_counter() - t0):,.0f}",
+            )
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < stop:
             save(step + 1)
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < stop:
@@ -102,9 +136,13 @@ def fit(model, optimizer, scheduler, train_data, val_data, start, args, ctx, sav
             if ctx.rank == 0:
                 bar.write(f"step {step + 1}: val loss {val:.3f}")
     synchronize()
-    step_time = (time.perf_counter() - t_timed) / (stop - start - 1) if stop - start > 1 else float("nan")
+    step_time = (
+        (time.perf_counter() - t_timed) / (stop - start - 1) if stop - start > 1 else float("nan")
+    )
     bar.close()
-    return Result(start, stop, tokens_per_step, train_losses, val_first, evaluate(), step_time, bf16)
+    return Result(
+        start, stop, tokens_per_step, train_losses, val_first, evaluate(), step_time, bf16
+    )
 
 
 @contextlib.contextmanager
@@ -120,9 +158,13 @@ def gradient_sync(model, sync):
 def make_optimizer(model, args):
     """AdamW with weight decay on matrices (Linear weights, embeddings) only, never on biases and
     norms; a linear warm-up to --lr, then a cosine down to --min-lr at the last step."""
-    params = [p for p in model.parameters() if p.requires_grad]  # parameters() yields a tied weight once
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    params = [
+        p for p in model.parameters() if p.requires_grad
+    ]  # parameters() yields a tied weight once
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
     # fused: one kernel updates every parameter (CUDA, and CPU since torch 2.4), no Python loop
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=True)
 
@@ -132,6 +174,7 @@ def make_optimizer(model, args):
         progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
         floor = args.min_lr / args.lr
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
 
@@ -150,21 +193,30 @@ def print_summary(result, label, flops_per_token, ctx):
     tok_s = result.tokens_per_step / result.step_time
     name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
     peak = next((f for key, f in PEAK_BF16 if key in name), None)
-    mfu = f"{flops_per_token * tok_s / ctx.world_size / peak:.1%} of {name} bf16 peak" if peak else \
-        f"unknown (no peak FLOP/s known for {name})"
+    mfu = (
+        f"{flops_per_token * tok_s / ctx.world_size / peak:.1%} of {name} bf16 peak"
+        if peak
+        else f"unknown (no peak FLOP/s known for {name})"
+    )
     (_, first), (_, final) = result.train_losses[0], result.train_losses[-1]
-    print0(f"summary: {label}, {result.stop - result.start} steps, {tok_s:,.0f} tokens/s, "
-           f"{result.step_time * 1e3:.1f} ms/step, MFU {mfu}, train loss {first:.3f} -> {final:.3f}, "
-           f"val loss {result.val_first:.3f} -> {result.val_last:.3f}, bf16 {'on' if result.bf16 else 'off'}")
+    print0(
+        f"summary: {label}, {result.stop - result.start} steps, {tok_s:,.0f} tokens/s, "
+        f"{result.step_time * 1e3:.1f} ms/step, MFU {mfu}, train loss {first:.3f} -> {final:.3f}, "
+        f"val loss {result.val_first:.3f} -> {result.val_last:.3f}, bf16 {'on' if result.bf16 else 'off'}"
+    )
 
 
 def check_loss_fell(result):
     if result.val_last >= result.val_first:
-        raise RuntimeError(f"the validation loss did not fall: {result.val_first:.3f} -> {result.val_last:.3f}")
+        raise RuntimeError(
+            f"the validation loss did not fall: {result.val_first:.3f} -> {result.val_last:.3f}"
+        )
 
 
 def print_sample(path, args, ctx):
-    if ctx.rank == 0 and args.sample_tokens:  # the exported model, in this process alone (as generate.py)
+    if (
+        ctx.rank == 0 and args.sample_tokens
+    ):  # the exported model, in this process alone (as generate.py)
         text = sample(load_model(path, ctx.device), "the ", args.sample_tokens)
         print("sample:\n  " + text.replace("\n", "\n  "))
 
@@ -173,24 +225,62 @@ def parse_args(parser, argv, out, **model_defaults):
     """The flags train.py and train_2d.py share, added to parser; then parse argv."""
     parser.add_argument("--data", help="a UTF-8 text file (default: the corpus data.py generates)")
     parser.add_argument("--out", default=out, help=f"checkpoint directory (default: {out})")
-    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
-    parser.add_argument("--steps", type=int, default=250, help="optimizer steps in all (sets the LR schedule)")
-    parser.add_argument("--stop-after", type=int, default=0, help="stop after this many steps, as if interrupted")
-    parser.add_argument("--batch-size", type=int, default=16, help="windows per micro-batch per rank")
-    parser.add_argument("--accum", type=int, default=1, help="micro-batches per step (gradient accumulation)")
-    for flag, default in [("--lr", 3e-3), ("--min-lr", 3e-4), ("--weight-decay", 0.1), ("--grad-clip", 1.0)]:
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the checkpoint in --out"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=250, help="optimizer steps in all (sets the LR schedule)"
+    )
+    parser.add_argument(
+        "--stop-after", type=int, default=0, help="stop after this many steps, as if interrupted"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=16, help="windows per micro-batch per rank"
+    )
+    parser.add_argument(
+        "--accum", type=int, default=1, help="micro-batches per step (gradient accumulation)"
+    )
+    for flag, default in [
+        ("--lr", 3e-3),
+        ("--min-lr", 3e-4),
+        ("--weight-decay", 0.1),
+        ("--grad-clip", 1.0),
+    ]:
         parser.add_argument(flag, type=float, default=default)
-    for flag, default in [("--warmup", 10), ("--eval-every", 50), ("--eval-batches", 4), ("--log-every", 10)]:
+    for flag, default in [
+        ("--warmup", 10),
+        ("--eval-every", 50),
+        ("--eval-batches", 4),
+        ("--log-every", 10),
+    ]:
         parser.add_argument(flag, type=int, default=default)
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                        help="autocast dtype; auto: bf16 on a GPU that has it, float32 on CPU (bf16 is slower there)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model (off by default)")
-    parser.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: at the end only)")
-    parser.add_argument("--sample-tokens", type=int, default=200, help="tokens to sample at the end (0: none)")
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="autocast dtype; auto: bf16 on a GPU that has it, float32 on CPU (bf16 is slower there)",
+    )
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile the model (off by default)"
+    )
+    parser.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        help="also checkpoint every N steps (0: at the end only)",
+    )
+    parser.add_argument(
+        "--sample-tokens", type=int, default=200, help="tokens to sample at the end (0: none)"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--bar-stdout", action="store_true", help="tqdm bar on stdout instead of stderr")
-    parser.add_argument("--gpt2-small", action="store_true",
-                        help="GPT-2 small: 12 layers, 12 heads, 768 wide, 1024 context, batch 8 x accum 8, lr 6e-4")
+    parser.add_argument(
+        "--bar-stdout", action="store_true", help="tqdm bar on stdout instead of stderr"
+    )
+    parser.add_argument(
+        "--gpt2-small",
+        action="store_true",
+        help="GPT-2 small: 12 layers, 12 heads, 768 wide, 1024 context, batch 8 x accum 8, lr 6e-4",
+    )
     add_model_args(parser, **model_defaults)
     args = parser.parse_args(argv)
     if args.gpt2_small:

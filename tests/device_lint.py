@@ -19,7 +19,8 @@ everything is on the CPU. This lint makes the mistake visible without a GPU. Its
    same function.
 4. `torch.load` passes `map_location=` and `weights_only=True`.
 
-A line that is right for a reason the rules cannot see carries a comment `# device: why`.
+A call that is right for a reason the rules cannot see carries a comment `# device: why` on one of its
+lines.
 
     python tests/device_lint.py [ROOT]      # prints file:line: message, exit 1 if any
 """
@@ -143,7 +144,10 @@ class _Checker(ast.NodeVisitor):
         self.parents.pop()
 
     def flag(self, node, message):
-        if "# device:" not in self.lines[node.lineno - 1]:
+        # the comment may sit on any line of the statement (the formatter moves it to its last line)
+        stmt = next((n for n in reversed(self.parents) if isinstance(n, ast.stmt)), node)
+        end = getattr(stmt, "end_lineno", None) or node.lineno
+        if not any("# device:" in line for line in self.lines[node.lineno - 1 : end]):
             self.problems.append(f"{self.path}:{node.lineno}: {message}")
 
     def _ancestors(self):

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from launch.argtypes import existing_file, float_in, int_in, ints_in  # noqa: F401
 from launch.devices import UsageError, choose_device, cores, default_nproc
 from launch.printing import _write, print0, print_in_order, print_rank  # noqa: F401 (the lessons import them from here)
 
@@ -50,8 +51,8 @@ class Context:
             raise UsageError(message)
 
     def require_writable_dir(self, path):
-        """Make directory `path` if needed and check that this rank can write a file in it (every rank
-        checks: on several machines each has its own disk), before any work is done."""
+        """Make directory `path` if needed and check that this rank can write a file in it (every
+        rank checks: on several machines each has its own disk), before any work is done."""
         try:
             os.makedirs(path, exist_ok=True)
             probe = os.path.join(path, f".write_test_{os.getpid()}")
@@ -63,8 +64,9 @@ class Context:
             ) from None
 
     def require_point_to_point(self):
-        """send/recv/isend/irecv: NCCL takes CUDA tensors, Gloo CPU tensors only (the backend table of
-        https://pytorch.org/docs/stable/distributed.html#backends), so Gloo with CUDA tensors cannot run them."""
+        """send/recv/isend/irecv: NCCL takes CUDA tensors, Gloo CPU tensors only (the backend table
+        of https://pytorch.org/docs/stable/distributed.html#backends), so Gloo with CUDA tensors
+        cannot run them."""
         self.require(
             not (self.backend == "gloo" and self.device.type != "cpu"),
             f"point-to-point on gloo needs CPU tensors, not {self.device.type}: "
@@ -72,25 +74,37 @@ class Context:
         )
 
 
+class _HelpWithRanges(argparse.RawDescriptionHelpFormatter):
+    """--help shows each flag's range (launch/argtypes.py) and default."""
+
+    def _get_help_string(self, action):
+        help, kind = action.help or "", getattr(action.type, "__name__", "")
+        if kind.startswith(("an integer in", "a number in", "a comma-separated")):
+            help += f" ({kind})"
+        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in help:
+            help += " (default: %(default)s)"
+        return help
+
+
 def lesson_parser(doc, default_nproc=None, min_ranks=1):
-    """min_ranks: `python lesson.py` with no --nproc starts at least this many ranks (one per GPU, else 2)."""
-    parser = argparse.ArgumentParser(
-        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    """min_ranks: `python lesson.py` with no --nproc starts at least this many ranks (one per GPU,
+    else 2). Each flag's type gives its range (launch/argtypes.py)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=_HelpWithRanges)
     parser.set_defaults(min_ranks=min_ranks)
     env = os.environ.get
     group = parser.add_argument_group("distributed set-up (launch/dist_setup.py)")
     group.add_argument(
         "--nproc",
-        type=int,
+        type=int_in(1, 4096),
         default=default_nproc,
-        help=f"ranks to spawn when started with plain python (default: one per GPU, else 2; "
+        help="ranks to spawn when started with plain python (default: one per GPU, else 2; "
         f"at least {max(min_ranks, 1)})",
     )
     group.add_argument(
         "--backend",
         default=env("DIST_BACKEND"),
-        help="gloo or nccl (env DIST_BACKEND; default: nccl if every local rank has a GPU, else gloo)",
+        help="gloo or nccl (env DIST_BACKEND; default: nccl if every local rank has a GPU, "
+        "else gloo)",
     )
     group.add_argument(
         "--device",
@@ -99,9 +113,9 @@ def lesson_parser(doc, default_nproc=None, min_ranks=1):
     )
     group.add_argument(
         "--timeout",
-        type=float,
-        default=float(env("DIST_TIMEOUT", "60")),
-        help="seconds a collective may wait before it fails (env DIST_TIMEOUT; default 60)",
+        type=float_in(0, 86_400, low_open=True),
+        default=env("DIST_TIMEOUT", "60"),
+        help="seconds a collective may wait before it fails (env DIST_TIMEOUT)",
     )
     return parser
 
@@ -151,7 +165,8 @@ def _run_rank(main, args, init=True):
         return 2
     finally:
         if dist.is_initialized():
-            gc.collect()  # free DDP/FSDP objects (they sit in reference cycles) while their group is up
+            # free DDP/FSDP objects (they sit in reference cycles) while their group is up
+            gc.collect()
             dist.destroy_process_group()
 
 
@@ -170,10 +185,11 @@ def _spawned(local_rank, main, args, nproc, port, init):
 
 
 def reserve_port():
-    """A socket bound to a free port of 127.0.0.1, not listening. Keep it open until the ranks have started:
-    while it is bound the OS hands that port to no other process (a port picked and released at once can
-    be taken by another program before rank 0 listens on it, seconds later: EADDRINUSE). Rank 0's store
-    can still bind it, because both sockets set SO_REUSEADDR (torch's TCPStore does)."""
+    """A socket bound to a free port of 127.0.0.1, not listening. Keep it open until the ranks
+    have started: while it is bound the OS hands that port to no other process (a port picked and
+    released at once can be taken by another program before rank 0 listens on it, seconds later:
+    EADDRINUSE). Rank 0's store can still bind it, because both sockets set SO_REUSEADDR (torch's
+    TCPStore does)."""
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.bind(("127.0.0.1", 0))
@@ -186,17 +202,10 @@ def run(main, args, init_process_group=True):
     init_process_group=False leaves the init to main (primitives/init_methods.py).
     """
     if (
-        os.environ.get("DIST_PARSE_ONLY") == "1"
-    ):  # tests/: a README's command line parses, nothing runs
-        print(f"parsed: {vars(args)}")
-        sys.exit(0)
-    if (
         "RANK" in os.environ and "WORLD_SIZE" in os.environ
     ):  # torchrun, Slurm + torchrun, a platform
         sys.exit(_run_rank(main, args, init_process_group))
     nproc = args.nproc if args.nproc is not None else default_nproc(args)
-    if nproc < 1:
-        sys.exit(f"error: --nproc must be at least 1, got {nproc}")
     held = None if os.environ.get("MASTER_PORT") else reserve_port()
     port = int(os.environ["MASTER_PORT"]) if held is None else held.getsockname()[1]
     with socket.socket() as s:  # a named port that is taken fails here, not in a rank
@@ -205,9 +214,10 @@ def run(main, args, init_process_group=True):
                 f"error: port {port} on 127.0.0.1 is in use: unset MASTER_PORT or pick a free one"
             )
     try:
-        # forkserver, not spawn: one server process imports the lesson (and torch) once, and each rank
-        # is forked from it, torch already imported (~2.5 s of CPU saved per rank). Safe with CUDA: the
-        # server never touches the GPU. https://docs.python.org/3/library/multiprocessing.html#contexts-and-start-methods
+        # forkserver, not spawn: one server process imports the lesson (and torch) once, and each
+        # rank is forked from it, torch already imported (~2.5 s of CPU saved per rank). Safe with
+        # CUDA: the server never touches the GPU.
+        # https://docs.python.org/3/library/multiprocessing.html#contexts-and-start-methods
         mp.start_processes(
             _spawned,
             args=(main, args, nproc, port, init_process_group),

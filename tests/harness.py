@@ -18,10 +18,12 @@ its time limit is killed with all its processes and the test fails with its outp
 import os
 import re
 import resource
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,6 +185,27 @@ def run_lesson(lesson, *args, nproc=2, launcher="torchrun", timeout=120, env=Non
     else:
         raise ValueError(f"unknown launcher {launcher!r}")
     return run_command(command, timeout=timeout, env=env)
+
+
+def mutant(tmp_path, lesson, *changes, file=None):
+    """A copy of `lesson`'s folder under tmp_path in which `file` (default: the lesson itself; else
+    a sibling such as "model.py") has each (old, new) change made; returns the copy of the lesson, to
+    hand to run_lesson. This is how the suite shows a check failing when the lesson is wrong: the
+    mistake a reader could make is written into a copy, never behind a flag in the lesson. Each `old`
+    must occur exactly once in the file, so a change to the lesson that moves the text fails here."""
+    source = ROOT / lesson
+    copy = Path(tempfile.mkdtemp(dir=tmp_path)) / source.parent.name
+    shutil.copytree(source.parent, copy, ignore=shutil.ignore_patterns("__pycache__", "*.md"))
+    target = copy / (file or source.name)
+    text = target.read_text()
+    for old, new in changes:
+        count = text.count(old)
+        assert count == 1, (
+            f"{old!r} occurs {count} times in {(source.parent / target.name)}, not once"
+        )
+        text = text.replace(old, new)
+    target.write_text(text)
+    return copy / source.name
 
 
 def ok_lines(result):

@@ -1,0 +1,49 @@
+"""Every lesson reads as the code a reader copies, then how it checks itself (DESIGN.md's contract):
+
+- one divider line, DIVIDER, exactly once: above it the lesson (docstring, imports, `main` and the
+  functions it teaches), below it the checks, the printing of what was checked, and the flags (the
+  `if __name__ == "__main__":` block ends the file: Python must have defined the checks before `run`
+  calls `main`);
+- the part above the divider fits on one screen (ABOVE_DIVIDER lines), but for the few lessons in
+  LONGER, each with the reason; no file of a lesson folder over MAX_LINES lines;
+- no lesson has a flag that exists only so a test can break a check: the suite breaks a lesson by a
+  source mutation of a copy (tests/test_mutations.py), so `test_flags` is gone from launch/.
+Line length (100) and formatting are ruff's (pyproject.toml; .ci/run runs `ruff format --check` and
+`ruff check`).
+"""
+
+import pytest
+
+from lesson_cli import FOLDERS, ROOT, lessons
+
+pytestmark = pytest.mark.quick
+
+DIVIDER = "# ---- The lesson ends here. What follows is how it checks itself. ----"
+ABOVE_DIVIDER = 80
+MAX_LINES = 250
+# lesson: (lines allowed above the divider, why this lesson cannot be one screen)
+LONGER = {}
+
+
+@pytest.mark.parametrize("lesson", lessons())
+def test_lesson_first_then_its_checks(lesson):
+    lines = (ROOT / lesson).read_text().splitlines()
+    at = [i for i, line in enumerate(lines) if line.strip() == DIVIDER]
+    assert len(at) == 1, f"{lesson}: the divider line occurs {len(at)} times, not once:\n{DIVIDER}"
+    allowed = LONGER.get(lesson, (ABOVE_DIVIDER, ""))[0]
+    assert at[0] <= allowed, f"{lesson}: {at[0]} lines above the divider, more than {allowed}"
+    assert "test_flags" not in "\n".join(lines), f"{lesson} still has a test-only flag group"
+
+
+def test_no_file_is_too_long():
+    files = [p for folder in FOLDERS for p in (ROOT / folder).glob("*.py")]
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in files
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"over {MAX_LINES} lines: {long}"
+
+
+def test_longer_lessons_are_still_lessons():
+    assert set(LONGER) <= set(lessons()), set(LONGER) - set(lessons())

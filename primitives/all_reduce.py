@@ -19,86 +19,85 @@ Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_red
 import numpy as np
 import torch
 import torch.distributed as dist
-from launch.dist_setup import lesson_parser, print0, print_in_order, run
+from launch.dist_setup import int_in, lesson_parser, print0, print_in_order, run
 
 
 def main(args, ctx):
-    rank, world, n = ctx.rank, ctx.world_size, args.size
-    i = np.arange(n)
-    # What each rank starts with, per op (values chosen so products and bits stay readable).
-    data = {
-        "SUM": lambda r: 100 * r + i,
-        "PRODUCT": lambda r: r + 1 + i,
-        "MIN": lambda r: 100 * r + i,
-        "MAX": lambda r: 100 * r + i,
-        "AVG": lambda r: (100 * r + i).astype(np.float32),
-        "BAND": lambda r: (0b1111 ^ (1 << r)) | i,  # every bit set but bit r, then or'ed with i
-        "BOR": lambda r: (1 << r) + 0 * i,  # only bit r
-        "BXOR": lambda r: r + i,
-    }
-    numpy_op = {
-        "SUM": lambda a: a.sum(0),
-        "PRODUCT": lambda a: a.prod(0),
-        "MIN": lambda a: a.min(0),
-        "MAX": lambda a: a.max(0),
-        "AVG": lambda a: a.mean(0),
-        "BAND": np.bitwise_and.reduce,
-        "BOR": np.bitwise_or.reduce,
-        "BXOR": np.bitwise_xor.reduce,
-    }
     done = []
-    for name, make in data.items():
+    for name in ["SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR"]:
         if name.startswith("B") and ctx.backend == "nccl":
             print0(f"{name}: skipped, NCCL has no bitwise reductions")
             continue
-        t = torch.from_numpy(make(rank)).to(ctx.device)
+        t = torch.from_numpy(inputs(name, ctx.rank, args.size)).to(ctx.device)
         before = t.tolist()
         dist.all_reduce(t, op=getattr(dist.ReduceOp, name))
         print_in_order(f"{name:8s} before {before}  after {t.tolist()}")
-        expected = numpy_op[name](np.stack([make(r) for r in range(world)]))
-        if not np.allclose(t.cpu().numpy(), expected):
-            raise RuntimeError(
-                f"all_reduce {name} gave {t.tolist()}, numpy gives {expected.tolist()}"
-            )
+        check_against_numpy(name, t, ctx.world_size, args.size)
         done.append(name)
 
     # PREMUL_SUM multiplies each input by a factor, then sums. torch 2.13 makes it with the public
     # ReduceOp.PREMUL_SUM(factor), a float or a one-element tensor (ReduceOp's docstring); releases
     # before pytorch PR #172216 (Jan 2026) had only the private dist._make_nccl_premul_sum(factor).
-    premul_sum = (
-        dist.ReduceOp.PREMUL_SUM
-        if callable(dist.ReduceOp.PREMUL_SUM)
-        else dist._make_nccl_premul_sum
-    )
-    factor = 1.0 / world
-    t = 100.0 * rank + torch.arange(n, dtype=torch.float32, device=ctx.device)
+    premul_sum = dist.ReduceOp.PREMUL_SUM
+    if not callable(premul_sum):
+        premul_sum = dist._make_nccl_premul_sum
+    factor = 1.0 / ctx.world_size
+    t = 100.0 * ctx.rank + torch.arange(args.size, dtype=torch.float32, device=ctx.device)
     try:
         dist.all_reduce(t, op=premul_sum(factor))
-    except (
-        RuntimeError
-    ) as e:  # Gloo: "Cannot use ReduceOp.PREMUL_SUM with Gloo", raised on every rank
+    except RuntimeError as e:  # Gloo: "Cannot use ReduceOp.PREMUL_SUM with Gloo", on every rank
         if ctx.backend == "nccl" or "PREMUL_SUM" not in str(e):
             raise
-        print0(
-            f"PREMUL_SUM: {ctx.backend} refuses it ({str(e).splitlines()[0]}); NCCL and XCCL have it"
-        )
+        print0(f"PREMUL_SUM: {ctx.backend} refuses it ({str(e).splitlines()[0]}); NCCL has it")
     else:
-        check_premul_sum(t, factor, world, i)
-        print_in_order(f"PREMUL_SUM(1/{world}) after {t.tolist()}")
+        print_in_order(f"PREMUL_SUM(1/{ctx.world_size}) after {t.tolist()}")
+        check_premul_sum(t, factor, ctx.world_size, args.size)
         done.append("PREMUL_SUM")
-
-    print0(
-        f"OK: all_reduce with {', '.join(done)} over {world} rank(s) matches numpy on every rank"
-    )
+    print0(f"OK: all_reduce with {', '.join(done)} over {ctx.world_size} rank(s) matches numpy")
 
 
-def check_premul_sum(t, factor, world, i):
-    expected = factor * np.stack([100.0 * r + i for r in range(world)]).sum(0)
+def inputs(name, rank, n):
+    """What rank `rank` starts with, per op (values chosen so products and bits stay readable)."""
+    i = np.arange(n)
+    return {
+        "SUM": 100 * rank + i,
+        "PRODUCT": rank + 1 + i,
+        "MIN": 100 * rank + i,
+        "MAX": 100 * rank + i,
+        "AVG": (100 * rank + i).astype(np.float32),
+        "BAND": (0b1111 ^ (1 << rank)) | i,  # every bit set but bit `rank`, then or'ed with i
+        "BOR": (1 << rank) + 0 * i,  # only bit `rank`
+        "BXOR": rank + i,
+    }[name]
+
+
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+NUMPY = {
+    "SUM": lambda a: a.sum(0),
+    "PRODUCT": lambda a: a.prod(0),
+    "MIN": lambda a: a.min(0),
+    "MAX": lambda a: a.max(0),
+    "AVG": lambda a: a.mean(0),
+    "BAND": np.bitwise_and.reduce,
+    "BOR": np.bitwise_or.reduce,
+    "BXOR": np.bitwise_xor.reduce,
+}
+
+
+def check_against_numpy(name, t, world, n):
+    expected = NUMPY[name](np.stack([inputs(name, r, n) for r in range(world)]))
+    if not np.allclose(t.cpu().numpy(), expected):
+        raise RuntimeError(f"all_reduce {name} gave {t.tolist()}, numpy gives {expected.tolist()}")
+
+
+def check_premul_sum(t, factor, world, n):
+    expected = factor * np.stack([100.0 * r + np.arange(n) for r in range(world)]).sum(0)
     if not np.allclose(t.cpu().numpy(), expected):
         raise RuntimeError(f"PREMUL_SUM gave {t.tolist()}, expected {expected.tolist()}")
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--size", type=int, default=3, help="elements per rank")
+    parser.add_argument("--size", type=int_in(1, 1_000_000), default=3, help="elements per rank")
     run(main, parser.parse_args())

@@ -33,7 +33,15 @@ class Mutation:
 
 
 # ---------------------------------------------------------------------------------- primitives/
-PRIMITIVES = []
+PRIMITIVES = [
+    Mutation(
+        "all_reduce-call-left-out",
+        "primitives/all_reduce.py",
+        [("dist.all_reduce(t, op=getattr(dist.ReduceOp, name))", "pass")],
+        "all_reduce SUM gave",
+        quick=True,
+    )
+]
 
 
 # ---------------------------------------------------------------------------------- ddp_basics/

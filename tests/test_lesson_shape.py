@@ -6,6 +6,8 @@
   calls `main`);
 - the part above the divider fits on one screen (ABOVE_DIVIDER lines), but for the few lessons in
   LONGER, each with the reason; no file of a lesson folder over MAX_LINES lines;
+- a lesson that uses launch/dist_setup.run says in its docstring what run and ctx stand for
+  (SETUP_LINE);
 - no lesson has a flag that exists only so a test can break a check: the suite breaks a lesson by a
   source mutation of a copy (tests/test_mutations.py), so `test_flags` is gone from launch/.
 Line length (100) and formatting are ruff's (pyproject.toml; .ci/run runs `ruff format --check` and
@@ -19,6 +21,11 @@ from lesson_cli import FOLDERS, ROOT, lessons
 pytestmark = pytest.mark.quick
 
 DIVIDER = "# ---- The lesson ends here. What follows is how it checks itself. ----"
+# In the docstring of every lesson that uses launch.dist_setup.run: what run and ctx stand for
+# (launch/README.md shows the block that replaces the import when the lesson is copied out).
+SETUP_LINE = (
+    "run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group."
+)
 ABOVE_DIVIDER = 80
 MAX_LINES = 250
 # lesson: (lines allowed above the divider, why this lesson cannot be one screen)
@@ -32,7 +39,11 @@ def test_lesson_first_then_its_checks(lesson):
     assert len(at) == 1, f"{lesson}: the divider line occurs {len(at)} times, not once:\n{DIVIDER}"
     allowed = LONGER.get(lesson, (ABOVE_DIVIDER, ""))[0]
     assert at[0] <= allowed, f"{lesson}: {at[0]} lines above the divider, more than {allowed}"
-    assert "test_flags" not in "\n".join(lines), f"{lesson} still has a test-only flag group"
+    text = "\n".join(lines)
+    assert "test_flags" not in text, f"{lesson} still has a test-only flag group"
+    if "from launch.dist_setup import" in text and "run(main" in text:
+        docstring = text.split('"""')[1]
+        assert SETUP_LINE in docstring, f"{lesson}: its docstring lacks the line\n{SETUP_LINE}"
 
 
 def test_no_file_is_too_long():

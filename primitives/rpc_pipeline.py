@@ -1,0 +1,126 @@
+"""rpc_pipeline: a model split over workers, trained from one driver with torch.distributed.rpc.
+
+RPC runs a function on another process and hands back its result (rpc_sync, rpc_async) or a
+reference to it that stays where it was made (remote -> RRef; .to_here() fetches it). Distributed
+autograd follows a forward pass across those calls, so one backward computes every worker's
+gradients; the distributed optimizer then steps each parameter where it lives. Here rank 0 drives:
+it sends its batch to stage 1 on worker 1, whose output (an RRef) goes to stage 2 on the last
+worker; the loss, the backward and the optimizer step start from rank 0. No process group: RPC
+needs none (run(..., init_process_group=False)).
+
+RPC is in maintenance mode (the rpc docs page, torch 2.9 onwards: "APIs in the RPC package are
+stable and in maintenance mode"), and on CUDA RRefs, distributed autograd and the distributed
+optimizer are unsupported (same page), so this lesson keeps its tensors on the CPU everywhere.
+Pipelines today use torch.distributed.pipelining (transformer_basics/pipeline_parallel.py); a
+trainer's weights reach its inference workers by collectives (primitives/weight_sync.py).
+RPC unpickles what peers send, so any peer can run code in your process: listen on loopback or
+on a network only trusted peers reach.
+
+    torchrun --nproc_per_node=3 primitives/rpc_pipeline.py
+    python primitives/rpc_pipeline.py --nproc 2      # both stages on worker 1
+
+Docs: https://docs.pytorch.org/docs/stable/rpc.html
+"""
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+from torch import nn
+from torch.distributed.optim import DistributedOptimizer
+
+from launch.dist_setup import float_in, int_in, lesson_parser, run
+
+
+class SGD(torch.optim.SGD):
+    """torch.optim.SGD itself would send DistributedOptimizer down its TorchScript path, which
+    torch 2.13 warns is deprecated (torch/distributed/optim/optimizer.py: functional_optim_map).
+    Importing torch.distributed.optim warns so too (2.13): it scripts its functional optimizers."""
+
+
+class Stage(nn.Module):
+    def __init__(self, dim_in, dim_out, seed):
+        super().__init__()
+        torch.manual_seed(seed)  # the same initial weights as the one-process check
+        self.layer = nn.Linear(dim_in, dim_out, device="cpu")
+
+    def forward(self, x_rref):
+        return torch.tanh(self.layer(x_rref.to_here()))
+
+    def parameter_rrefs(self):
+        return [rpc.RRef(p) for p in self.parameters()]
+
+
+def main(args, ctx):
+    options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=args.timeout)  # env:// rendezvous
+    rpc.init_rpc(
+        f"worker{ctx.rank}", rank=ctx.rank, world_size=ctx.world_size, rpc_backend_options=options
+    )
+    if ctx.rank == 0:
+        x, y = batch(args)
+        stage1 = rpc.remote("worker1", Stage, args=(args.dim, args.hidden, 1))
+        stage2 = rpc.remote(f"worker{ctx.world_size - 1}", Stage, args=(args.hidden, 1, 2))
+        params = stage1.rpc_sync().parameter_rrefs() + stage2.rpc_sync().parameter_rrefs()
+        optimizer = DistributedOptimizer(SGD, params, lr=args.lr)
+        losses = []
+        for step in range(args.steps):
+            with dist_autograd.context() as context_id:
+                hidden = stage1.remote().forward(rpc.RRef(x))  # stays on worker 1
+                out = stage2.rpc_sync().forward(hidden)  # comes back to the driver
+                loss = ((out - y) ** 2).mean()
+                dist_autograd.backward(context_id, [loss])
+                optimizer.step(context_id)
+            losses.append(loss.item())
+            print(f"step {step}: loss {losses[-1]:.6f}", flush=True)
+        check_against_one_process(args, x, y, losses, [stage1, stage2], ctx.world_size)
+    rpc.shutdown()  # waits until every worker is done, then all leave together
+
+
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
+def batch(args):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(args.batch, args.dim, generator=g, device="cpu")
+    return x, x.sum(1, keepdim=True).tanh()
+
+
+def check_against_one_process(args, x, y, losses, stage_rrefs, world):
+    """The same two stages in this process, trained by plain autograd and SGD."""
+    stages = [Stage(args.dim, args.hidden, 1), Stage(args.hidden, 1, 2)]
+    optimizer = torch.optim.SGD([p for s in stages for p in s.parameters()], lr=args.lr)
+    expected = []
+    for _ in range(args.steps):
+        optimizer.zero_grad()
+        loss = ((stages[1](rpc.RRef(stages[0](rpc.RRef(x)))) - y) ** 2).mean()
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.item())
+    remote = [p.to_here() for r in stage_rrefs for p in r.rpc_sync().parameter_rrefs()]
+    local = [p.detach() for s in stages for p in s.parameters()]
+    # float32, the same operations in the same order: only the order of a sum could differ
+    loss_error = max(abs(a - b) for a, b in zip(losses, expected))
+    param_error = max((a - b).abs().max().item() for a, b in zip(remote, local))
+    if loss_error > 1e-6 or param_error > 1e-6:
+        raise RuntimeError(
+            f"RPC training differs from one process: losses by {loss_error:.1e}, "
+            f"parameters by {param_error:.1e}"
+        )
+    if not losses[-1] < losses[0]:
+        raise RuntimeError(f"the loss did not fall: {losses[0]:.4f} -> {losses[-1]:.4f}")
+    where = "worker 1" if world == 2 else f"workers 1 and {world - 1}"
+    print(
+        f"OK: the model on {where}, trained from rank 0 over RPC, matches one process "
+        f"(losses within {loss_error:.1e}, parameters within {param_error:.1e})",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    parser = lesson_parser(__doc__, min_ranks=2)
+    parser.add_argument("--steps", type=int_in(2, 1000), default=5)
+    parser.add_argument("--batch", type=int_in(1, 100_000), default=16)
+    parser.add_argument("--dim", type=int_in(1, 100_000), default=8)
+    parser.add_argument("--hidden", type=int_in(1, 100_000), default=16)
+    parser.add_argument("--lr", type=float_in(0, 10, low_open=True), default=0.1)
+    args = parser.parse_args()
+    run(main, args, init_process_group=False)

@@ -13,6 +13,8 @@ wait. We time both orders; the saving depends on cores, message size and the bac
     torchrun --nproc_per_node=2 primitives/async_collectives.py
     python primitives/async_collectives.py --nproc 2 --size 50000000 --compute 2048   # on GPUs
 
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+
 Docs: https://pytorch.org/docs/stable/distributed.html#synchronous-and-asynchronous-collective-operations
       https://pytorch.org/docs/stable/futures.html
 """
@@ -21,15 +23,11 @@ import time
 
 import torch
 import torch.distributed as dist
-from launch.dist_setup import lesson_parser, print0, print_in_order, run
+from launch.dist_setup import int_in, lesson_parser, print0, print_in_order, run
 
 
 def main(args, ctx):
     rank, world, dev = ctx.rank, ctx.world_size, ctx.device
-    sync = (lambda: torch.accelerator.synchronize()) if dev.type != "cpu" else (lambda: None)
-    full_sum = sum(100 * r for r in range(world)) + world * torch.arange(
-        args.size, dtype=torch.float32, device="cpu"
-    )
 
     # 1. async_op=True, wait(), and a callback chained on the future.
     t = 100 * rank + torch.arange(args.size, dtype=torch.float32, device=dev)
@@ -41,19 +39,15 @@ def main(args, ctx):
         status = work.get_future_result().wait()
     except RuntimeError as error:  # Gloo keeps the base Work's method, which raises
         status = error
-    if not torch.equal(t.cpu(), full_sum) or not torch.allclose(mean.cpu(), full_sum / world):
-        raise RuntimeError(
-            f"rank {rank}: sum {t[:4].tolist()} / mean {mean[:4].tolist()} do not match plain torch"
-        )
+    check_sum_and_mean(t, mean, rank, world, args.size)
     print_in_order(
         f"async all_reduce sum[:3] = {t[:3].tolist()}, callback's mean[:3] = {mean[:3].tolist()}"
     )
     print0(check_status(status, ctx))
 
-    # 2. Overlap. The same communication and the same computation, one after the other, then together.
-    x = torch.randn(args.compute, args.compute, generator=torch.Generator().manual_seed(rank)).to(
-        dev
-    )
+    # 2. Overlap. The same communication and computation, one after the other, then together.
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.compute, args.compute, generator=gen).to(dev)
 
     def compute():
         y = x
@@ -73,48 +67,42 @@ def main(args, ctx):
         work.wait()
         return t, y
 
-    times = {}
-    for name, fn in [("sequential", sequential), ("overlapped", overlapped)]:
-        fn()  # warm-up: first calls pay for allocations and connection set-up
-        best = float("inf")
-        for _ in range(args.repeat):
-            dist.barrier()
-            sync()
-            start = time.perf_counter()
-            t, y = fn()
-            sync()
-            best = min(best, time.perf_counter() - start)
-        if not torch.equal(t.cpu(), torch.full((args.size,), float(world), device="cpu")):
-            raise RuntimeError(
-                f"{name}: all_reduce of ones gave {t[:4].tolist()}, expected {world}"
-            )
-        if not torch.allclose(y, compute()):
-            raise RuntimeError(f"{name}: the computation changed its result")
-        times[name] = best
-    saved = times["sequential"] - times["overlapped"]
-    print_in_order(
-        f"all_reduce of {args.size} floats + {args.steps} matmuls {args.compute}x{args.compute}: "
-        f"sequential {1e3 * times['sequential']:.1f} ms, overlapped {1e3 * times['overlapped']:.1f} ms, "
-        f"saved {1e3 * saved:.1f} ms ({100 * saved / times['sequential']:.0f}%)"
-    )
+    times = {fn.__name__: best_time(fn, compute, args, ctx) for fn in (sequential, overlapped)}
+    print_saving(times, args)
     print0(
         "OK: async all_reduce + wait() and a .then() callback match plain torch; "
-        "overlap of communication and computation measured (best of "
-        f"{args.repeat}, same results either way)"
+        f"overlap of communication and computation measured (best of {args.repeat}, "
+        "same results either way)"
     )
+
+
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
+def check_sum_and_mean(t, mean, rank, world, n):
+    full_sum = sum(100 * r for r in range(world)) + world * torch.arange(
+        n, dtype=torch.float32, device="cpu"
+    )
+    if not torch.equal(t.cpu(), full_sum) or not torch.allclose(mean.cpu(), full_sum / world):
+        raise RuntimeError(
+            f"rank {rank}: sum {t[:4].tolist()} / mean {mean[:4].tolist()} do not match plain torch"
+        )
 
 
 def check_status(status, ctx):
-    """What Work.get_future_result() gave, torch 2.13. Its docstring (Work binding, c10d/init.cpp): "a
-    torch.futures.Future object of int type which maps to the enum type of WorkResult" and "supports NCCL".
-    WorkResult (c10d/Work.hpp): SUCCESS 0, TIMEOUT 1, COMM_ERROR 2, UNKNOWN 100; ProcessGroupNCCL's
-    watchdog completes the Future (SUCCESS once the GPU has run the collective, else TIMEOUT or
-    COMM_ERROR; c10d/ProcessGroupNCCL.cpp). Work::getFutureResult (Work.cpp) raises "not implemented"."""
+    """What Work.get_future_result() gave, torch 2.13. Its docstring (Work binding,
+    c10d/init.cpp): "a torch.futures.Future object of int type which maps to the enum type of
+    WorkResult" and "supports NCCL". WorkResult (c10d/Work.hpp): SUCCESS 0, TIMEOUT 1,
+    COMM_ERROR 2, UNKNOWN 100; ProcessGroupNCCL's watchdog completes the Future (SUCCESS once the
+    GPU has run the collective, else TIMEOUT or COMM_ERROR; c10d/ProcessGroupNCCL.cpp).
+    Work::getFutureResult (Work.cpp) raises "not implemented"."""
     if isinstance(status, Exception):
-        return f"get_future_result(): not supported on {ctx.backend} ({status}); NCCL gives a status code"
-    name = torch._C._distributed_c10d.WorkResult(
-        status
-    ).name  # not re-exported under torch.distributed
+        return (
+            f"get_future_result(): not supported on {ctx.backend} ({status}); "
+            "NCCL gives a status code"
+        )
+    # WorkResult is not re-exported under torch.distributed
+    name = torch._C._distributed_c10d.WorkResult(status).name
     if status != 0:
         raise RuntimeError(
             f"get_future_result() says {status} ({name}) for an all_reduce that finished"
@@ -122,12 +110,51 @@ def check_status(status, ctx):
     return f"get_future_result() on {ctx.backend}: {status} ({name})"
 
 
+def best_time(fn, compute, args, ctx):
+    """Best of args.repeat timed calls of fn, after a warm-up (first calls pay for allocations
+    and connection set-up); checks what fn returned: the all_reduce of ones, and compute()."""
+    sync = torch.accelerator.synchronize if ctx.device.type != "cpu" else (lambda: None)
+    fn()
+    best = float("inf")
+    for _ in range(args.repeat):
+        dist.barrier()
+        sync()
+        start = time.perf_counter()
+        t, y = fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    name = fn.__name__
+    if not torch.equal(t.cpu(), torch.full((args.size,), float(ctx.world_size), device="cpu")):
+        raise RuntimeError(
+            f"{name}: all_reduce of ones gave {t[:4].tolist()}, expected {ctx.world_size}"
+        )
+    if not torch.allclose(y, compute()):
+        raise RuntimeError(f"{name}: the computation changed its result")
+    return best
+
+
+def print_saving(times, args):
+    saved = times["sequential"] - times["overlapped"]
+    print_in_order(
+        f"all_reduce of {args.size} floats + {args.steps} matmuls {args.compute}x{args.compute}: "
+        f"sequential {1e3 * times['sequential']:.1f} ms, "
+        f"overlapped {1e3 * times['overlapped']:.1f} ms, "
+        f"saved {1e3 * saved:.1f} ms ({100 * saved / times['sequential']:.0f}%)"
+    )
+
+
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--size", type=int, default=1 << 18, help="floats all-reduced")
     parser.add_argument(
-        "--compute", type=int, default=128, help="matrix size of the overlapped work"
+        "--size", type=int_in(1, 1_000_000_000), default=1 << 18, help="floats all-reduced"
     )
-    parser.add_argument("--steps", type=int, default=8, help="matmuls in the overlapped work")
-    parser.add_argument("--repeat", type=int, default=3, help="timed runs; the best is printed")
+    parser.add_argument(
+        "--compute", type=int_in(1, 16384), default=128, help="matrix size of the overlapped work"
+    )
+    parser.add_argument(
+        "--steps", type=int_in(1, 100_000), default=8, help="matmuls in the overlapped work"
+    )
+    parser.add_argument(
+        "--repeat", type=int_in(1, 1000), default=3, help="timed runs; the best is printed"
+    )
     run(main, parser.parse_args())

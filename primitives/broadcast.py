@@ -7,37 +7,45 @@ it is overwritten in place (nothing is allocated for you).
     torchrun --nproc_per_node=4 primitives/broadcast.py
     python primitives/broadcast.py --nproc 3 --src 2
 
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.broadcast
 """
 
 import torch
 import torch.distributed as dist
-from launch.dist_setup import lesson_parser, print0, print_in_order, run
+from launch.dist_setup import int_in, lesson_parser, print0, print_in_order, run
 
 
 def main(args, ctx):
     ctx.require(
-        0 <= args.src < ctx.world_size,
+        args.src < ctx.world_size,
         f"--src {args.src} is not a rank of a {ctx.world_size}-rank world",
     )
-    rank, n, src = ctx.rank, args.size, args.src
-
-    t = 100 * rank + torch.arange(n, device=ctx.device)
+    t = 100 * ctx.rank + torch.arange(args.size, device=ctx.device)
     print_in_order(f"before: {t.tolist()}")
-    dist.broadcast(t, src=src)
-    print_in_order(f"after broadcast from rank {src}: {t.tolist()}")
+    dist.broadcast(t, src=args.src)
+    print_in_order(f"after broadcast from rank {args.src}: {t.tolist()}")
+    check_holds_row_of_src(t, ctx.rank, ctx.world_size, args.src, args.size)
+    print0(f"OK: broadcast copied rank {args.src}'s tensor to all {ctx.world_size} ranks")
 
-    # Independent check: the full data (every rank's starting tensor), and the row of src.
-    full = torch.stack([100 * r + torch.arange(n, device="cpu") for r in range(ctx.world_size)])
+
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
+def check_holds_row_of_src(t, rank, world, src, n):
+    """The full data (every rank's starting tensor), rebuilt here: every rank must hold row src."""
+    full = torch.stack([100 * r + torch.arange(n, device="cpu") for r in range(world)])
     if not torch.equal(t.cpu(), full[src]):
         raise RuntimeError(
             f"rank {rank} holds {t.tolist()}, expected rank {src}'s {full[src].tolist()}"
         )
-    print0(f"OK: broadcast copied rank {src}'s tensor to all {ctx.world_size} ranks")
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--size", type=int, default=4, help="elements per rank")
-    parser.add_argument("--src", type=int, default=0, help="rank whose tensor is broadcast")
+    parser.add_argument("--size", type=int_in(1, 1_000_000), default=4, help="elements per rank")
+    parser.add_argument(
+        "--src", type=int_in(0, 4095), default=0, help="rank whose tensor is broadcast"
+    )
     run(main, parser.parse_args())

@@ -12,12 +12,21 @@ squares. This is how vocabulary-parallel cross-entropy computes its loss.
     torchrun --nproc_per_node=3 primitives/distributed_softmax.py
     python primitives/distributed_softmax.py --nproc 4 --size 1000000 --offset 0
 
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_reduce
 """
 
 import torch
 import torch.distributed as dist
-from launch.dist_setup import lesson_parser, print0, print_in_order, run
+from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_order, run
+
+
+def full_vector(args):
+    """The whole vector, the same on every rank (same seed); each rank keeps its slice."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(args.size, generator=gen, dtype=torch.float64, device="cpu")
+    return args.offset + args.scale * x
 
 
 def main(args, ctx):
@@ -25,12 +34,7 @@ def main(args, ctx):
         args.size >= ctx.world_size,
         f"--size {args.size} leaves a rank with no element: use at least {ctx.world_size}",
     )
-    # The full vector, made identically on every rank (same seed) for the check; each rank keeps a slice.
-    gen = torch.Generator().manual_seed(0)
-    full = args.offset + args.scale * torch.randn(
-        args.size, generator=gen, dtype=torch.float64, device="cpu"
-    )
-    x = torch.tensor_split(full, ctx.world_size)[ctx.rank].to(ctx.device)
+    x = torch.tensor_split(full_vector(args), ctx.world_size)[ctx.rank].to(ctx.device)
 
     m = x.max().clone()
     dist.all_reduce(m, op=dist.ReduceOp.MAX)
@@ -48,50 +52,59 @@ def main(args, ctx):
     dist.all_reduce(naive_s, op=dist.ReduceOp.SUM)
     naive = torch.exp(x.float()) / naive_s
 
-    show = lambda t: [round(v, 3) for v in t[:3].tolist()] + (["..."] if t.numel() > 3 else [])
     print_in_order(
-        f"{x.numel()} elements {show(x)}: softmax {show(softmax)} unit {show(unit)} "
-        f"naive softmax {show(naive)}"
+        f"{x.numel()} elements {first3(x)}: softmax {first3(softmax)} unit {first3(unit)} "
+        f"naive softmax {first3(naive)}"
+    )
+    check_against_unsharded(args, ctx, m, softmax, logsumexp, unit, naive)
+    print0(
+        f"OK: softmax, log-sum-exp and L2 normalisation of a {args.size}-element vector sharded "
+        f"over {ctx.world_size} ranks (MAX then SUM all_reduce) match torch on the unsharded vector"
     )
 
-    # Independent check: the unsharded computation in plain torch, compared slice by slice.
-    want = [
-        t[ctx.rank]
-        for t in (
-            torch.tensor_split(torch.softmax(full, 0), ctx.world_size),
-            torch.tensor_split(full / full.norm(), ctx.world_size),
-        )
-    ]
-    if not torch.allclose(softmax.cpu(), want[0]) or not torch.allclose(unit.cpu(), want[1]):
+
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
+def first3(t):
+    return [round(v, 3) for v in t[:3].tolist()] + (["..."] if t.numel() > 3 else [])
+
+
+def check_against_unsharded(args, ctx, m, softmax, logsumexp, unit, naive):
+    """The unsharded computation in plain torch, compared slice by slice."""
+    full, rank, world = full_vector(args), ctx.rank, ctx.world_size
+    want_softmax = torch.tensor_split(torch.softmax(full, 0), world)[rank]
+    want_unit = torch.tensor_split(full / full.norm(), world)[rank]
+    if not torch.allclose(softmax.cpu(), want_softmax) or not torch.allclose(unit.cpu(), want_unit):
         raise RuntimeError(
-            f"rank {ctx.rank}: sharded softmax / L2 norm differ from torch on the full vector"
+            f"rank {rank}: sharded softmax / L2 norm differ from torch on the full vector"
         )
-    if (
-        m.item() != full.max().item()
-    ):  # softmax hides a wrong shift (it cancels out): check m itself
+    if m.item() != full.max().item():  # softmax hides a wrong shift (it cancels out): check m
         raise RuntimeError(f"global max {m.item()} != torch {full.max().item()}")
-    if not torch.allclose(logsumexp.cpu(), torch.logsumexp(full, 0)):
-        raise RuntimeError(
-            f"logsumexp {logsumexp.item()} != torch {torch.logsumexp(full, 0).item()}"
-        )
+    want_lse = torch.logsumexp(full, 0)
+    if not torch.allclose(logsumexp.cpu(), want_lse):
+        raise RuntimeError(f"logsumexp {logsumexp.item()} != torch {want_lse.item()}")
     total = softmax.sum()
     dist.all_reduce(total)
     print0(
-        f"logsumexp {logsumexp.item():.6f} (torch on the full vector: {torch.logsumexp(full, 0).item():.6f}); "
-        f"softmax sums to {total.item():.6f}; naive softmax has nan: {bool(torch.isnan(naive).any())} "
-        f"on rank 0"
-    )
-    print0(
-        f"OK: softmax, log-sum-exp and L2 normalisation of a {args.size}-element vector sharded over "
-        f"{ctx.world_size} ranks (MAX then SUM all_reduce) match torch on the unsharded vector"
+        f"logsumexp {logsumexp.item():.6f} (torch on the full vector: {want_lse.item():.6f}); "
+        f"softmax sums to {total.item():.6f}; naive softmax has nan: "
+        f"{bool(torch.isnan(naive).any())} on rank 0"
     )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--size", type=int, default=10, help="length of the whole vector")
-    parser.add_argument("--scale", type=float, default=1.0, help="spread of the logits")
     parser.add_argument(
-        "--offset", type=float, default=1000.0, help="added to every logit (exp(1000) overflows)"
+        "--size", type=int_in(1, 100_000_000), default=10, help="length of the whole vector"
+    )
+    parser.add_argument(
+        "--scale", type=float_in(0, 1e6, low_open=True), default=1.0, help="spread of the logits"
+    )
+    parser.add_argument(
+        "--offset",
+        type=float_in(-1e6, 1e6),
+        default=1000.0,
+        help="added to every logit (exp(1000) overflows)",
     )
     run(main, parser.parse_args())

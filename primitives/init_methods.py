@@ -11,6 +11,9 @@ through which the ranks find each other, then the backend connects them.
     torchrun --nproc_per_node=3 primitives/init_methods.py --init-method file
     python primitives/init_methods.py --nproc 3 --init-method tcp
 
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+Here run(main, args, init_process_group=False) leaves out the first: main forms each group.
+
 Docs: https://pytorch.org/docs/stable/distributed.html#initialization
 """
 
@@ -20,7 +23,7 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from launch.dist_setup import lesson_parser, print0, print_in_order, run
+from launch.dist_setup import int_in, lesson_parser, print0, print_in_order, run
 
 METHODS = ["env", "tcp", "file", "store"]
 
@@ -38,38 +41,25 @@ def init(method, args, ctx):
     timeout = datetime.timedelta(seconds=args.timeout)
     device_id = None if ctx.device.type == "cpu" else ctx.device
     common = dict(backend=ctx.backend, timeout=timeout, device_id=device_id)
+    by_hand = dict(rank=ctx.rank, world_size=ctx.world_size, **common)  # what env:// reads
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     if method == "env":
         dist.init_process_group(init_method="env://", **common)
     elif method == "tcp":
-        # Rank 0 serves a store at host:port and the others connect. torchrun's agent (its parent
-        # process on each node) already serves a TCPStore, the agent store, at MASTER_ADDR:MASTER_PORT
-        # (stores: see stores.py), and sets TORCHELASTIC_USE_AGENT_STORE=True, which makes every rank a
-        # mere client of it; that store still holds the keys of the env:// group above, and a second
-        # group formed there would read them. So: a fresh store, served by rank 0, on the next port.
+        # Rank 0 serves a store at host:port and the others connect. torchrun's agent (its
+        # parent process on each node) already serves a TCPStore, the agent store, at
+        # MASTER_ADDR:MASTER_PORT (stores: see stores.py), and sets
+        # TORCHELASTIC_USE_AGENT_STORE=True, which makes every rank a mere client of it; that
+        # store still holds the keys of the env:// group above, and a second group formed there
+        # would read them. So: a fresh store, served by rank 0, on the next port.
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
-        dist.init_process_group(
-            init_method=f"tcp://{host}:{args.port or port + 1}",
-            rank=ctx.rank,
-            world_size=ctx.world_size,
-            **common,
-        )
+        dist.init_process_group(init_method=f"tcp://{host}:{args.port or port + 1}", **by_hand)
     elif method == "file":
-        dist.init_process_group(
-            init_method=f"file://{file_path(args)}",
-            rank=ctx.rank,
-            world_size=ctx.world_size,
-            **common,
-        )
+        dist.init_process_group(init_method=f"file://{file_path(args)}", **by_hand)
     elif method == "store":  # our own store object: we can also use it for our own keys
-        store = dist.TCPStore(
-            host,
-            (args.port or port + 1) + 1,
-            ctx.world_size,
-            is_master=ctx.rank == 0,
-            timeout=timeout,
-        )
-        dist.init_process_group(store=store, rank=ctx.rank, world_size=ctx.world_size, **common)
+        at = (args.port or port + 1) + 1
+        store = dist.TCPStore(host, at, ctx.world_size, is_master=ctx.rank == 0, timeout=timeout)
+        dist.init_process_group(store=store, **by_hand)
     return f"{method}:// " if method != "store" else "store=TCPStore "
 
 
@@ -83,26 +73,27 @@ def file_path(args):
 
 
 def remove_store_file(args, rank):
-    # torch deletes the file when the last rank's FileStore is destroyed, best effort: the destructor
-    # bumps two counters in two steps, and in some orders no rank sees itself last, so the file stays
-    # (~FileStore in torch/csrc/distributed/c10d/FileStore.cpp, torch 2.13). So we delete it while the
-    # group is up, after the barrier in main (nobody reads the store any more); after the barrier here
-    # every destructor finds no file and returns at once (a group's collectives do not use the store).
+    # torch deletes the file when the last rank's FileStore is destroyed, best effort: the
+    # destructor bumps two counters in two steps, and in some orders no rank sees itself last,
+    # so the file stays (~FileStore in torch/csrc/distributed/c10d/FileStore.cpp, torch 2.13).
+    # So we delete it while the group is up, after the barrier in main (nobody reads the store
+    # any more); after the barrier here every destructor finds no file and returns at once (a
+    # group's collectives do not use the store).
     if rank == 0:
         os.remove(file_path(args))
     dist.barrier()
 
 
 def main(args, ctx):
-    # Up to four inits in one process, only to compare the methods: the docs call re-init "unsupported/untested"
-    # (distributed.html#reinitialization), so each group is destroyed after a barrier and the next uses a fresh store.
+    # Up to four inits in one process, only to compare the methods: the docs call re-init
+    # "unsupported/untested" (distributed.html#reinitialization), so each group is destroyed
+    # after a barrier and the next uses a fresh store.
     methods = METHODS if args.init_method == "all" else [args.init_method]
     folder = os.path.dirname(os.path.abspath(args.file or tempfile.gettempdir() + "/x"))
     ctx.require(
         os.path.isdir(folder) and os.access(folder, os.W_OK),
         f"--file {args.file}: {folder} is not a writable directory",
     )
-    expected = (ctx.world_size * (ctx.world_size - 1) // 2, [r * r for r in range(ctx.world_size)])
     for method in methods:
         how = init(method, args, ctx)
         try:
@@ -111,17 +102,27 @@ def main(args, ctx):
                 f"{how:16} rank {dist.get_rank()}/{dist.get_world_size()} "
                 f"sum of ranks {result[0]}, squares {result[1]}"
             )
-            if result != expected:
-                raise RuntimeError(f"{method}: got {result}, expected {expected}")
+            check_same_answer(method, result, ctx.world_size)
             dist.barrier()  # nobody tears its group down while others still use it
             if method == "file":
                 remove_store_file(args, ctx.rank)
         finally:
             dist.destroy_process_group()
-    print0(
-        f"OK: init by {', '.join(methods)} gave the same result: "
-        f"sum {expected[0]}, squares {expected[1]}"
-    )
+    total, squares = expected(ctx.world_size)
+    print0(f"OK: init by {', '.join(methods)} gave the same result: sum {total}, squares {squares}")
+
+
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
+def expected(world_size):
+    """small_job's answer, by hand: 0 + 1 + ... + (n-1), and every rank's square."""
+    return world_size * (world_size - 1) // 2, [r * r for r in range(world_size)]
+
+
+def check_same_answer(method, result, world_size):
+    if result != expected(world_size):
+        raise RuntimeError(f"{method}: got {result}, expected {expected(world_size)}")
 
 
 if __name__ == "__main__":
@@ -129,7 +130,7 @@ if __name__ == "__main__":
     parser.add_argument("--init-method", choices=METHODS + ["all"], default="all")
     parser.add_argument(
         "--port",
-        type=int,
+        type=int_in(1, 65534),
         help="port for tcp:// (default MASTER_PORT + 1); store= uses the next one",
     )
     parser.add_argument("--file", help="path for file:// (default: a fresh name in the temp dir)")

@@ -1,20 +1,22 @@
 """Process groups: collectives among a subset of the ranks.
 
-- new_group(ranks): by default EVERY rank must call it, for every group, in the same order,
-  even the ranks that are not members: a process names its groups by counting its new_group
-  calls, so the counts must agree (and NCCL with device_id splits the world's communicator, a
-  collective call). With use_local_synchronization=True a group is named by a hash of its ranks
-  and only its members call new_group (its docstring and code, torch 2.13; not with MPI; groups
-  that overlap must still be created in one global order, or it can deadlock). By default a
-  non-member gets a placeholder: get_rank(group) is -1, and a collective on it does nothing (it warns).
-- Two halves of the world each sum their own data; then everyone learns both results
-  through one MAX all_reduce over the world (a slot per group, -inf elsewhere). With SUM
-  instead, each slot would come out multiplied by the group size: every member adds it.
-- new_subgroups(group_size): cut the world into equal consecutive groups in one call.
+- new_group(ranks): by default EVERY rank calls it, for every group, in the same order, members
+  or not: a process names its groups by counting its new_group calls (and NCCL with device_id
+  splits the world's communicator, a collective call). With use_local_synchronization=True only
+  the members call it (the group is named by a hash of its ranks; new_group's docstring and
+  code, torch 2.13; not with MPI; groups that overlap must still be created in one global order,
+  or it can deadlock). A non-member gets a placeholder: get_rank(group) is -1, and a collective
+  on it does nothing (it warns).
+- Two halves each sum their own data; then everyone learns both results through one MAX
+  all_reduce over the world (a slot per group, -inf elsewhere). SUM would multiply each slot
+  by its group size: every member adds it.
+- new_subgroups(group_size): equal consecutive groups in one call.
 - get_group_rank / get_global_rank: translate between global and group ranks.
 
     torchrun --nproc_per_node=4 primitives/process_groups.py
     python primitives/process_groups.py --nproc 3
+
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#groups
 """
@@ -23,12 +25,12 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from launch.dist_setup import lesson_parser, print0, print_in_order, run
+from launch.dist_setup import int_in, lesson_parser, print0, print_in_order, run
 
 
 def main(args, ctx):
     ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: run with --nproc_per_node=2 or more")
-    rank, world, n = ctx.rank, ctx.world_size, args.size
+    rank, world, n, dev = ctx.rank, ctx.world_size, args.size, ctx.device
     half = world // 2
     halves = [list(range(0, half)), list(range(half, world))]  # with 3 ranks: [0] and [1, 2]
     groups = [dist.new_group(members) for members in halves]  # every rank creates both
@@ -36,81 +38,102 @@ def main(args, ctx):
     group, members = groups[mine], halves[mine]
 
     # Sum within my half only.
-    t = 100 * rank + torch.arange(n, dtype=torch.float32, device=ctx.device)
+    t = 100 * rank + torch.arange(n, dtype=torch.float32, device=dev)
     dist.all_reduce(t, group=group)
-    expected = sum(100 * r + torch.arange(n, dtype=torch.float32, device="cpu") for r in members)
-    if not torch.equal(t.cpu(), expected):
-        raise RuntimeError(f"sum over {members} gave {t.tolist()}, expected {expected.tolist()}")
     where = [
-        (dist.get_group_rank(group, g), dist.get_global_rank(group, dist.get_group_rank(group, g)))
-        for g in members
+        (dist.get_group_rank(group, g), dist.get_global_rank(group, i))
+        for i, g in enumerate(members)
     ]
-    print_in_order(
-        f"in half {mine} {members} as group rank {dist.get_rank(group)}: sum {t.tolist()}; "
-        f"(group rank, global rank) of the members {where}"
-    )
+    check_half(t, where, members, n, mine, dist.get_rank(group))
 
     # Share both halves' results with everyone: one slot per group, MAX over the world.
-    slots = torch.full((2, n), float("-inf"), device=ctx.device)
+    slots = torch.full((2, n), float("-inf"), device=dev)
     slots[mine] = t
     by_max = slots.clone()
     dist.all_reduce(by_max, op=dist.ReduceOp.MAX)
-    by_sum = torch.where(slots.isinf(), torch.zeros_like(slots), slots)  # 0 instead of -inf for SUM
+    by_sum = torch.where(slots.isinf(), 0.0, slots)  # 0 instead of -inf, for SUM
     dist.all_reduce(by_sum, op=dist.ReduceOp.SUM)
-    truth = torch.stack(
-        [
-            sum(100 * r + torch.arange(n, dtype=torch.float32, device="cpu") for r in m)
-            for m in halves
-        ]
+    check_shared(by_max, by_sum, halves, n)
+
+    # A rank outside a group: get_rank is -1 and a collective on the group is a no-op.
+    other = groups[1 - mine]
+    probe = torch.tensor([rank + 1.0], device=dev)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # it warns "does not belong to the given group"
+        dist.all_reduce(probe, group=other)
+    check_non_member(dist.get_rank(other), probe, rank, 1 - mine)
+
+    # new_subgroups: equal consecutive groups in one call (the world size must divide).
+    k = args.subgroup_size
+    if world % k == 0:
+        sub, _ = dist.new_subgroups(group_size=k)
+        s = torch.tensor([float(rank)], device=dev)
+        dist.all_reduce(s, group=sub)
+        check_subgroup(s, rank, k)
+    else:
+        print0(f"new_subgroups({k}): skipped, world size {world} is not a multiple of it")
+    print0(
+        f"OK: sums within the halves {halves} match plain torch; MAX shared them with all {world} "
+        "ranks (SUM: times the group size); group/global rank maps and non-members checked"
     )
+
+
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
+def sum_of(members, n):
+    return sum(100 * r + torch.arange(n, dtype=torch.float32, device="cpu") for r in members)
+
+
+def check_half(t, where, members, n, mine, group_rank):
+    """The sum over my half's data, by hand; group rank i is global rank members[i] both ways."""
+    if not torch.equal(t.cpu(), sum_of(members, n)):
+        raise RuntimeError(f"sum over {members} gave {t.tolist()}, expected {sum_of(members, n)}")
+    if where != list(enumerate(members)):
+        raise RuntimeError(f"(group rank, global rank) maps gave {where} for members {members}")
+    print_in_order(
+        f"in half {mine} {members} as group rank {group_rank}: sum {t.tolist()}; "
+        f"(group rank, global rank) of the members {where}"
+    )
+
+
+def check_shared(by_max, by_sum, halves, n):
+    """Both halves' sums on every rank: exact by MAX, times the group size by SUM."""
+    truth = torch.stack([sum_of(m, n) for m in halves])
     sizes = torch.tensor([[len(m)] for m in halves], dtype=torch.float32, device="cpu")
     if not torch.equal(by_max.cpu(), truth) or not torch.equal(by_sum.cpu(), truth * sizes):
         raise RuntimeError(
-            f"MAX gave {by_max.tolist()}, SUM gave {by_sum.tolist()}, truth {truth.tolist()}"
+            f"sharing by MAX gave {by_max.tolist()}, by SUM {by_sum.tolist()}; "
+            f"the halves' sums are {truth.tolist()}"
         )
     print0(
         f"both halves' sums via MAX: {by_max.tolist()} (right); via SUM: {by_sum.tolist()} "
         f"(each slot x its group size {sizes.flatten().int().tolist()})"
     )
 
-    # A rank outside a group: get_rank is -1 and a collective on the group is a no-op.
-    other = groups[1 - mine]
-    probe = torch.tensor([rank + 1.0], device=ctx.device)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # it warns "does not belong to the given group"
-        dist.all_reduce(probe, group=other)
+
+def check_non_member(group_rank, probe, rank, other):
+    if group_rank != -1 or probe.item() != rank + 1.0:
+        raise RuntimeError("a non-member should see group rank -1 and an unchanged tensor")
     print_in_order(
-        f"outside half {1 - mine}: get_rank(group) = {dist.get_rank(other)}; "
+        f"outside half {other}: get_rank(group) = {group_rank}; "
         f"all_reduce there left my {rank + 1.0} as {probe.item()}"
     )
-    if dist.get_rank(other) != -1 or probe.item() != rank + 1.0:
-        raise RuntimeError("a non-member should see group rank -1 and an unchanged tensor")
 
-    # new_subgroups: equal consecutive groups in one call (the world size must divide).
-    if world % args.subgroup_size == 0:
-        sub, _ = dist.new_subgroups(group_size=args.subgroup_size)
-        s = torch.tensor([float(rank)], device=ctx.device)
-        dist.all_reduce(s, group=sub)
-        first = rank - rank % args.subgroup_size
-        if s.item() != sum(range(first, first + args.subgroup_size)):
-            raise RuntimeError(f"subgroup sum {s.item()} is wrong")
-        print_in_order(
-            f"new_subgroups({args.subgroup_size}): my subgroup sums ranks to {s.item():g}"
+
+def check_subgroup(s, rank, k):
+    first = rank - rank % k
+    if s.item() != sum(range(first, first + k)):
+        raise RuntimeError(
+            f"subgroup sum {s.item()} is not the sum of ranks {first}..{first + k - 1}"
         )
-    else:
-        print0(
-            f"new_subgroups({args.subgroup_size}): skipped, world size {world} is not a multiple of it"
-        )
-    print0(
-        f"OK: sums within two halves {halves} match plain torch; MAX shared them with all {world} ranks "
-        "(SUM multiplied each by its group size); group/global rank maps and non-members checked"
-    )
+    print_in_order(f"new_subgroups({k}): my subgroup sums ranks to {s.item():g}")
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__, min_ranks=2)
-    parser.add_argument("--size", type=int, default=2, help="elements per rank")
+    parser.add_argument("--size", type=int_in(1, 1_000_000), default=2, help="elements per rank")
     parser.add_argument(
-        "--subgroup-size", type=int, default=2, help="ranks per group for new_subgroups"
+        "--subgroup-size", type=int_in(1, 4096), default=2, help="ranks per group for new_subgroups"
     )
     run(main, parser.parse_args())

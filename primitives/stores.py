@@ -15,6 +15,8 @@ has no queue; TCPStore and FileStore count a key of their own in num_keys.
     torchrun --nproc_per_node=3 primitives/stores.py
     python primitives/stores.py --nproc 2
 
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+
 Docs: https://pytorch.org/docs/stable/distributed.html#distributed-key-value-store
 """
 
@@ -24,21 +26,20 @@ import tempfile
 import time
 
 import torch.distributed as dist
-from launch.dist_setup import lesson_parser, print0, print_in_order, run
+from launch.dist_setup import float_in, lesson_parser, print0, print_in_order, run
 
 
 def main(args, ctx):
-    # Rank 0 hosts a TCPStore on a free port and publishes a value; the others connect and wait for the
-    # key. (The port travels by broadcast_object_list; torchrun serves such a store on MASTER_PORT.)
+    # Rank 0 hosts a TCPStore on a free port and publishes a value; the others connect and wait
+    # for the key. (The port travels by broadcast_object_list; torchrun serves such a store on
+    # MASTER_PORT.)
     host = os.environ["MASTER_ADDR"]  # rank 0 runs on this host (torchrun and our spawn path)
     timeout = datetime.timedelta(seconds=args.timeout)
-    store = (
-        dist.TCPStore(
+    store = None
+    if ctx.rank == 0:
+        store = dist.TCPStore(
             host, 0, ctx.world_size, is_master=True, timeout=timeout, wait_for_workers=False
         )
-        if ctx.rank == 0
-        else None
-    )
     port = [store.port if store else None]
     dist.broadcast_object_list(port, src=0)
     if ctx.rank != 0:
@@ -54,18 +55,28 @@ def main(args, ctx):
 
     dist.barrier()  # everyone has checked in and read
     arrived = int(store.get("arrived"))
-    if run_id != f"run-{port[0]}" or arrived != ctx.world_size:
-        raise RuntimeError(f"got run_id {run_id!r}, {arrived} arrivals for {ctx.world_size} ranks")
+    check_published(run_id, f"run-{port[0]}", arrived, ctx.world_size)
     dist.barrier()  # the server (rank 0) must outlive its clients' last request
     if ctx.rank == 0:  # each store here is private to rank 0
         print_what_each_store_supports()
     print0(
-        f"OK: {ctx.world_size} ranks read the value rank 0 published through a TCPStore, and add() counted "
-        f"{arrived} arrivals; each store kind probed (table above)"
+        f"OK: {ctx.world_size} ranks read the value rank 0 published through a TCPStore, and "
+        f"add() counted {arrived} arrivals; each store kind probed (table above)"
     )
 
 
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
+def check_published(run_id, published, arrived, world):
+    if run_id != published or arrived != world:
+        raise RuntimeError(
+            f"got run_id {run_id!r} ({published!r} was set), {arrived} arrivals for {world} ranks"
+        )
+
+
 def print_what_each_store_supports():
+    """Rank 0 tries every operation on a store of each kind and prints a table of what works."""
     with tempfile.TemporaryDirectory() as tmp:
         kinds = {
             "TCPStore": dist.TCPStore(
@@ -117,8 +128,8 @@ def try_each_operation(store):
         ],
         "compare_set": [
             lambda: expect(store.compare_set("k", "v", "w"), b"w"),  # matched: swapped
-            lambda: expect(store.compare_set("k", "v", "z"), b"w"),
-        ],  # no match: unchanged
+            lambda: expect(store.compare_set("k", "v", "z"), b"w"),  # no match: unchanged
+        ],
         "wait(timeout)": [timed_wait],
         "check": [
             lambda: expect(store.check(["k"]), True),
@@ -150,5 +161,7 @@ def try_each_operation(store):
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--delay", type=float, default=0.2, help="seconds before rank 0 publishes")
+    parser.add_argument(
+        "--delay", type=float_in(0, 600), default=0.2, help="seconds before rank 0 publishes"
+    )
     run(main, parser.parse_args())

@@ -40,7 +40,60 @@ PRIMITIVES = [
         [("dist.all_reduce(t, op=getattr(dist.ReduceOp, name))", "pass")],
         "all_reduce SUM gave",
         quick=True,
-    )
+    ),
+    Mutation(  # was the flag --no-barrier
+        "barrier-left-out",
+        "primitives/barrier.py",
+        [("dist.barrier()  # nobody reads before the preparer has written", "pass")],
+        "does not exist yet",
+        args=("--delay", "3"),  # the readers fail at once; the preparer is still asleep
+        quick=True,
+    ),
+    Mutation(  # a hard-coded root: right only when --src is 0
+        "broadcast-from-rank-0-always",
+        "primitives/broadcast.py",
+        [("dist.broadcast(t, src=args.src)", "dist.broadcast(t, src=0)")],
+        "expected rank 1's",
+        args=("--src", "1"),
+    ),
+    Mutation(  # the last element sent left instead of right: every halo is the wrong edge
+        "ring_exchange-wrong-edge-sent",
+        "primitives/ring_exchange.py",
+        [
+            (
+                "dist.P2POp(dist.isend, chunk[-1:].contiguous(), right)",
+                "dist.P2POp(dist.isend, chunk[:1].contiguous(), right)",
+            )
+        ],
+        "!= numpy",
+        nproc=3,
+    ),
+    Mutation(  # the shift by SUM of the local maxima: softmax and logsumexp cancel it out, so
+        # only the check of m itself can see it (at --offset 0, where exp does not underflow)
+        "distributed_softmax-shift-by-sum",
+        "primitives/distributed_softmax.py",
+        [("dist.all_reduce(m, op=dist.ReduceOp.MAX)", "dist.all_reduce(m, op=dist.ReduceOp.SUM)")],
+        "global max",
+        args=("--offset", "0"),
+    ),
+    Mutation(  # SUM where the lesson shares by MAX: each slot comes out x its group size
+        "process_groups-shared-by-sum",
+        "primitives/process_groups.py",
+        [
+            (
+                "dist.all_reduce(by_max, op=dist.ReduceOp.MAX)",
+                "dist.all_reduce(by_max, op=dist.ReduceOp.SUM)",
+            )
+        ],
+        "sharing by MAX gave",
+        nproc=3,
+    ),
+    Mutation(  # the mesh's dimensions swapped: the check reads the mesh built, not the request
+        "device_mesh-dims-swapped",
+        "primitives/device_mesh.py",
+        [("ctx.device.type, (dp, tp)", "ctx.device.type, (tp, dp)")],
+        "the mesh built is",
+    ),
 ]
 
 

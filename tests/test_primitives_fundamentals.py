@@ -1,16 +1,18 @@
-"""Issue 14 fundamentals: a broadcast whose shape only the source knows (broadcast_unknown_shape.py),
-the memory and bytes of four collectives, measured (collective_costs.py), and Work.get_future_result()
-in async_collectives.py (its other runs are in test_primitives.py). Each new lesson: real torchrun at
-2 ranks, `python lesson.py --nproc 3`, and the warm launcher at 1 and 4."""
+"""Issue 14 fundamentals: a broadcast whose shape only the source knows
+(broadcast_unknown_shape.py), the memory and bytes of four collectives, measured
+(collective_costs.py), and Work.get_future_result() in async_collectives.py at one rank (its
+other runs, and the same line at 2 to 4 ranks, are in test_primitives.py). Each of the first
+two: `python lesson.py --nproc 3`, and the warm launcher (torchrun's environment,
+tests/warm_launcher.py) at 1, 2 and 4 ranks."""
 
 import re
 
 import pytest
-from harness import assert_fails, assert_ok, run_lesson
+from harness import assert_ok, run_lesson
 
 T = 240  # seconds: generous, the CI machine is small and shared
 LAUNCHERS = [
-    (2, "torchrun"),
+    (2, "warm"),
     (3, "python"),
     (1, "warm"),
     pytest.param(4, "warm", marks=pytest.mark.quick),
@@ -48,9 +50,8 @@ def test_broadcast_unknown_shape(nproc, launcher):
         after = re.findall(
             rf"^\[rank (\d+)\] turn {turn}, after broadcast from rank {src}: (.*)$", out, re.M
         )
-        assert sorted(int(r) for r, _ in after) == list(range(nproc)) and {v for _, v in after} == {
-            held[1]
-        }, out
+        assert sorted(int(r) for r, _ in after) == list(range(nproc)), out
+        assert {v for _, v in after} == {held[1]}, out
         receivers = sum(
             f"turn {turn}, before: knows nothing of rank {src}'s tensor" in line
             for line in out.splitlines()
@@ -73,16 +74,14 @@ def test_collective_costs(nproc, launcher):
     kib = 4 * 2**18 / 1024  # the default --size: 2**18 int32 per rank
     result = run_lesson("primitives/collective_costs.py", nproc=nproc, launcher=launcher, timeout=T)
     ok = assert_ok(result)
-    assert f"all_gather+sum allocated {nproc + 2:.1f}x all_reduce's memory" in ok, (
-        ok
-    )  # y, world*y gathered, the sum
+    # y, world*y gathered, the sum
+    assert f"all_gather+sum allocated {nproc + 2:.1f}x all_reduce's memory" in ok, ok
     tables = cost_tables(result.stdout)
     assert sorted(tables) == list(range(nproc)), result.stdout
     for rank, t in tables.items():
         assert list(t) == ["scatter", "broadcast+slice", "all_reduce", "all_gather+sum"], t
-        assert t["broadcast+slice"][0] == nproc * kib and t["all_reduce"][0] == kib, (
-            t
-        )  # storage sizes on CPU
+        # storage sizes on CPU
+        assert t["broadcast+slice"][0] == nproc * kib and t["all_reduce"][0] == kib, t
         assert t["all_gather+sum"][2] >= (nproc - 1) * kib, t  # received every other rank's piece
         if rank:
             assert (
@@ -108,23 +107,16 @@ def test_collective_costs(nproc, launcher):
         assert "probe of 1048576 bytes counted within 4096" in ok, ok
 
 
-def test_collective_costs_refuses_empty_size():
-    result = run_lesson(
-        "primitives/collective_costs.py", "--size", "0", nproc=2, launcher="warm", timeout=T
-    )
-    assert_fails(result, "--size must be at least 1, got 0", within=2)
-
-
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_async_collectives_get_future_result_on_gloo(nproc):
-    # torch 2.13: Gloo's Work keeps the base Work::getFutureResult, which raises (Work.cpp); NCCL gives a code
+def test_async_collectives_get_future_result_on_gloo_at_one_rank():
+    # torch 2.13: Gloo's Work keeps the base Work::getFutureResult, which raises (Work.cpp); NCCL
+    # gives a status code.
     result = run_lesson(
         "primitives/async_collectives.py",
         "--size",
         "1000",
         "--repeat",
         "1",
-        nproc=nproc,
+        nproc=1,
         launcher="warm",
         timeout=T,
     )

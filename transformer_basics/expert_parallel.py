@@ -98,7 +98,8 @@ def init(args, N):
         rand(E, h, d, scale=h**-0.5),
     )
     x = rand(N * args.tokens, d, scale=1.0)
-    target = torch.randn(x.shape, generator=torch.Generator().manual_seed(args.seed + 2))
+    targets = torch.Generator().manual_seed(args.seed + 2)
+    target = torch.randn(x.shape, generator=targets, device="cpu")
     return router, w1, w2, x, target
 
 

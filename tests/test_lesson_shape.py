@@ -32,6 +32,12 @@ MAX_LINES = 250
 LONGER = {
     "primitives/hello_distributed.py": (120, "the whole set-up by hand, torchrun and spawn paths"),
     "primitives/init_methods.py": (115, "four ways to form a group, each spelled out"),
+    "transformer_basics/ring_attention.py": (
+        145,
+        "an autograd.Function: forward and backward ring",
+    ),
+    "transformer_basics/train_cp.py": (125, "a GPT training script: dp x cp mesh, ring attention"),
+    "transformer_basics/train_moe.py": (120, "a GPT training script: MoE blocks, dp x ep mesh"),
 }
 
 

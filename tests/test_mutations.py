@@ -106,7 +106,142 @@ FSDP_BASICS = []
 
 
 # --------------------------------------------------------------------------- transformer_basics/
-TRANSFORMER_BASICS = []
+TRANSFORMER_BASICS = [
+    # ring_attention: the partial outputs averaged instead of merged by their log-sum-exp
+    Mutation(
+        "ring_attention-average-merge",
+        "transformer_basics/ring_attention.py",
+        [
+            (
+                "out[:, :, rows] = old_part + o_b * (lse_b - new).exp()[..., None]",
+                "out[:, :, rows] = (out[:, :, rows] + o_b) / 2 if step else o_b",
+            )
+        ],
+        "ring attention's output",
+        nproc=3,
+    ),
+    # backward without the last hop: each rank keeps its neighbour's dK, dV
+    Mutation(
+        "ring_attention-no-home-hop",
+        "transformer_basics/ring_attention.py",
+        [
+            (
+                "if world > 1:  # pass K, V, dK, dV on;",
+                "if step < world - 1:  # pass K, V, dK, dV on;",
+            )
+        ],
+        "ring attention's dk, dv differ from full causal attention",
+        nproc=3,
+    ),
+    # issue 32: a received block read before its wait() failed or passed as the timing fell; now it
+    # fails every time (check_blocks_read_after_wait). Forward: each step waits for the previous
+    # step's requests, after computing on the block they bring.
+    Mutation(
+        "ring_attention-forward-waits-a-step-late",
+        "transformer_basics/ring_attention.py",
+        [
+            ("kv = torch.stack([k, v])", "kv, late = torch.stack([k, v]), []"),
+            (
+                "for req in reqs:\n                req.wait()  # nxt",
+                "for req in late:\n                req.wait()  #",
+            ),
+            ("kv = nxt", "late, kv = reqs, nxt"),
+        ],
+        "ring attention reads a received block before its wait()",
+        quick=True,
+    ),
+    # backward: every wait put off to the end, the blocks used as they come
+    Mutation(
+        "ring_attention-backward-waits-at-the-end",
+        "transformer_basics/ring_attention.py",
+        [
+            ("dq = torch.zeros_like(q)", "dq, late = torch.zeros_like(q), []"),
+            ("for req in reqs:\n                    req.wait()  # kvd", "late += reqs  #"),
+            (
+                "        return dq,",
+                "        for req in late:\n            req.wait()\n        return dq,",
+            ),
+        ],
+        "ring attention reads a received block before its wait(): with each receive buffer NaN "
+        "until wait() returns, its dq, dk, dv change",
+    ),
+    # ulysses: the output sent back without putting its destination first
+    Mutation(
+        "ulysses-no-transpose-back",
+        "transformer_basics/ulysses.py",
+        [(".permute(2, 0, 1, 3, 4).contiguous()", ".reshape(world, B, h, t, D)")],
+        "Ulysses attention's output",
+    ),
+    # expert_parallel: no count exchange, the receive splits guessed (every rank routes to my
+    # experts as I do): Gloo's transport refuses the mismatched sizes
+    Mutation(
+        "expert_parallel-no-count-exchange",
+        "transformer_basics/expert_parallel.py",
+        [
+            (
+                "dist.all_to_all_single(recv_counts, send_counts, group=group)",
+                "recv_counts = send_counts.view(N, local)[dist.get_rank(group)].repeat(N)",
+            )
+        ],
+        "Received data size doesn't match expected size",
+    ),
+    # dist.all_to_all_single for the tokens: no autograd, the experts' weights get no gradient
+    Mutation(
+        "expert_parallel-plain-all-to-all",
+        "transformer_basics/expert_parallel.py",
+        [
+            (
+                "import torch.distributed._functional_collectives as funcol",
+                "import types\n\n\n"
+                "def plain(tensor, out_splits, in_splits, group):\n"
+                "    out = tensor.new_empty((sum(out_splits), *tensor.shape[1:]))\n"
+                "    dist.all_to_all_single(out, tensor, out_splits, in_splits, group=group)\n"
+                "    return out\n\n\n"
+                "funcol = types.SimpleNamespace(all_to_all_single_autograd=plain)",
+            )
+        ],
+        "W1 gradient 1.0e+00, W2 gradient 1.0e+00",
+    ),
+    # the returned rows combined in expert order, not put back in (token, choice) order
+    Mutation(
+        "expert_parallel-no-unsort",
+        "transformer_basics/expert_parallel.py",
+        [("per_choice = torch.zeros_like(back).index_copy(0, order, back)", "per_choice = back")],
+        "differs from one process beyond 7.6e-05: output",
+        quick=True,
+    ),
+    # P_e of detached probabilities: the aux loss keeps its value and loses its gradient
+    Mutation(
+        "expert_parallel-aux-detached",
+        "transformer_basics/expert_parallel.py",
+        [("(f * probs.mean(0))", "(f * probs.detach().mean(0))")],
+        "differs from one process beyond 7.6e-05: input gradient",
+    ),
+    # train_cp: the position embedding given model.py's numbering 0..2c-1, not the chunks' positions
+    Mutation(
+        "train_cp-local-positions",
+        "transformer_basics/train_cp.py",
+        [("pos_ids = pos.to(ctx.device)", "pos_ids = torch.arange(len(pos), device=ctx.device)")],
+        "context-parallel training differs from one process",
+        timeout=240,
+    ),
+    # train_moe: the experts' gradients, summed over dp, divided by dp instead of N (ep times too
+    # large), or summed over all ranks (other experts' gradients added in)
+    Mutation(
+        "train_moe-experts-divided-by-dp",
+        "transformer_basics/train_moe.py",
+        [("flat /= N  #", "flat /= N // ep if params is experts else N  #")],
+        "differs from one process beyond --tol 2e-05",
+        timeout=240,
+    ),
+    Mutation(
+        "train_moe-experts-over-world",
+        "transformer_basics/train_moe.py",
+        [('(experts, mesh["dp"].get_group())', "(experts, dist.group.WORLD)")],
+        "differs from one process beyond --tol 2e-05",
+        timeout=240,
+    ),
+]
 
 
 # -------------------------------------------------------------------------------------- launch/

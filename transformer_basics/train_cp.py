@@ -1,16 +1,20 @@
-"""Train the GPT with context parallelism: the sequence of every window split over the ranks of a cp group.
+"""Train the GPT with context parallelism: the sequence of every window split over a cp group.
 
-The ranks form a dp x cp grid (a 2-D DeviceMesh). The cp ranks of one row read the same windows; each keeps
-two zig-zag chunks of every window (cp rank r: chunks r and 2cp-1-r of 2cp, as in ring_attention.py): their
-tokens, targets and positions (model.py's forward would number them 0..n-1). Every block's attention runs as
-ring attention over the cp row, with the block's own q, k, v, proj layers; the rest works token by token.
-Parameters are replicated; DDP averages the gradients over all ranks. Checked: every step's loss and the final
-parameters equal one process's on the global batch (float32). Measured: activations saved per rank against
-the sequence length, and the collectives of one step per rank.
+The ranks form a dp x cp grid (a 2-D DeviceMesh). The cp ranks of one row read the same windows;
+each keeps two zig-zag chunks of every window (cp rank r: chunks r and 2cp-1-r of 2cp, as in
+ring_attention.py): their tokens, targets and positions (model.py's forward would number them
+0..n-1). Every block's attention runs as ring attention over the cp row, with the block's own q, k,
+v, proj layers; the rest works token by token. Parameters are replicated; DDP averages the
+gradients over all ranks. Checked: every step's loss and the final parameters equal one process's
+on the global batch (float32). Measured: activations saved per rank against the sequence length,
+and the collectives of one step per rank.
 
     torchrun --nproc_per_node=2 transformer_basics/train_cp.py               # cp 2
     python transformer_basics/train_cp.py --nproc 4                          # dp 2 x cp 2
-    torchrun --nproc_per_node=8 transformer_basics/train_cp.py --cp 8 --block-size 4096 --n-embd 256   # GPUs
+    torchrun --nproc_per_node=8 transformer_basics/train_cp.py --cp 8 --block-size 4096 \
+        --n-embd 256                                                         # 8 GPUs
+
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.batch_isend_irecv
       https://pytorch.org/tutorials/recipes/distributed_device_mesh.html
@@ -28,13 +32,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
 import data
-from launch.dist_setup import lesson_parser, print0, print_in_order, run, test_flags
+from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_order, run
 from model import GPT, add_model_args, config_from_args
 from ring_attention import RingAttention, zigzag_positions
 
 
 class RingSelfAttention(nn.Module):
-    """A block's attention, its own q, k, v, proj layers (model.py's names), with ring attention over group."""
+    """A block's attention: its own q, k, v, proj layers (model.py's names), ring attention over
+    group."""
 
     def __init__(self, attn, group):
         super().__init__()
@@ -66,142 +71,103 @@ class GPTWithPositions(nn.Module):
 
 def main(args, ctx):
     W, T, B = ctx.world_size, args.block_size, args.batch_size
-    cp = args.cp = args.cp or (
-        2 if W % 2 == 0 else W
-    )  # the default: 1, 2, 3, 2 (dp 2), ..., 2 (dp 4) at 8
+    cp = args.cp = args.cp or (2 if W % 2 == 0 else W)  # default: 1, 2, 3, 2 (dp 2), .., 2 (dp 4)
     ctx.require(
-        cp >= 1 and W % cp == 0,
-        f"--cp {cp} must divide the world size {W}: the ranks form a dp x cp grid",
+        W % cp == 0, f"--cp {cp} must divide the world size {W}: the ranks form a dp x cp grid"
     )
     ctx.require(
         T % (2 * cp) == 0,
-        f"--block-size {T} must be a multiple of 2 x --cp = {2 * cp}: each cp rank "
-        f"takes two chunks of every window",
+        f"--block-size {T} must be a multiple of 2 x --cp = {2 * cp}: each cp rank takes two "
+        "chunks of every window",
     )
-    ctx.require(
-        min(args.steps, B, T, args.n_layer, args.n_head) >= 1 and args.n_embd % args.n_head == 0,
-        "--steps, --batch-size, --block-size, --n-layer, --n-head must be >= 1, --n-embd divide by --n-head",
-    )
-    ctx.require(
-        args.dropout == 0, "--dropout must be 0: ring attention here has no attention dropout"
-    )
+    ctx.require(args.n_embd % args.n_head == 0, "--n-embd must be a multiple of --n-head")
+    ctx.require(args.dropout == 0, "--dropout must be 0: this ring attention has no dropout")
     dp, tokens = W // cp, data.encode(data.generate_corpus(2000))
     ctx.require(not (problem := data.check_tokens(tokens, T, None)), str(problem))
     if cp > 1:
         ctx.require_point_to_point()  # the ring: batch_isend_irecv
-    torch.backends.cuda.matmul.fp32_precision = (
-        "ieee"  # float32 matmuls, never TF32 (the check's bound)
-    )
+    torch.backends.cuda.matmul.fp32_precision = "ieee"  # never TF32 (the check's bound)
 
     mesh = init_device_mesh(ctx.device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
     cp_group, cp_rank = mesh["cp"].get_group(), mesh["cp"].get_local_rank()
-    windows = data.ShardedWindows(
-        tokens, T, mesh["dp"].get_local_rank(), dp, args.seed
-    )  # one cp row: same windows
-    pos = zigzag_positions(
-        cp_rank, cp, T
-    )  # this rank's part of every window (CPU: it indexes CPU batches)
+    # The ranks of a cp row read the same windows; each keeps its zig-zag chunks of every window.
+    windows = data.ShardedWindows(tokens, T, mesh["dp"].get_local_rank(), dp, args.seed)
+    pos = zigzag_positions(cp_rank, cp, T)  # CPU: it indexes the CPU batches
     torch.manual_seed(args.seed)
     gpt = GPT(config_from_args(args)).to(ctx.device)
     start = copy.deepcopy(gpt)  # for the check: the same initial model, trained on one process
     for block in gpt.blocks.values():
-        block.attn = RingSelfAttention(
-            block.attn, cp_group
-        )  # device: the block's layers, on ctx.device already
-    # DDP over the world: each rank's loss is the mean over its B*T/cp tokens (as many on every rank), and the
-    # ring's backward hands each rank the gradient of every cp rank's loss through its K and V: so the ranks'
-    # average gradient is the gradient of the mean over the global batch's tokens.
-    model = DDP(
-        GPTWithPositions(gpt), device_ids=None if ctx.device.type == "cpu" else [ctx.device]
-    )  # device: gpt's
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=args.lr
-    )  # SGD: see the README's note on the key bias
-    pos_ids = (
-        torch.arange(len(pos), device="cpu") if args.local_positions else pos
-    )  # the tests' bug: positions 0..2c-1
+        block.attn = RingSelfAttention(block.attn, cp_group)  # device: the block's own layers
+    # DDP over the world: each rank's loss is the mean over its B*T/cp tokens (as many on every
+    # rank), and the ring's backward hands each rank the gradient of every cp rank's loss through
+    # its K and V: so the ranks' average gradient is that of the mean over the global batch.
+    on = None if ctx.device.type == "cpu" else [ctx.device]
+    model = DDP(GPTWithPositions(gpt), device_ids=on)  # device: gpt's, ctx.device
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)  # SGD: the README's key-bias note
+    pos_ids = pos.to(ctx.device)  # the chunks' own positions, not 0..2c-1
     losses = []
     for step in range(args.steps):
         x, y = (t[:, pos].to(ctx.device) for t in windows.batch(step, 0, B))
-        loss = F.cross_entropy(model(x, pos_ids.to(ctx.device)).flatten(0, 1), y.flatten())
-        loss.backward()  # ring attention's backward (p2p on the cp row), then DDP's all_reduce (the world)
+        loss = F.cross_entropy(model(x, pos_ids).flatten(0, 1), y.flatten())
+        loss.backward()  # ring attention's backward (p2p, cp row), then DDP's all_reduce (world)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.detach())
 
-    c = T // (2 * cp)
-    print_collectives(
-        model,
-        x,
-        y,
-        pos_ids.to(ctx.device),
-        f"dp {mesh['dp'].get_local_rank()}/{dp}, cp {cp_rank}/"
-        f"{cp}: positions {pos[0]}..{pos[c - 1]} and {pos[c]}..{pos[-1]} of {B} window(s) per step",
-    )
+    print_collectives(model, x, y, pos_ids, mesh, pos, args)
     print_activation_memory(args, ctx, start, model.module, cp_rank)
     check_against_one_process(args, ctx, start, model.module.gpt, torch.stack(losses), tokens, dp)
 
 
-def print_collectives(model, x, y, pos, where):
-    """One more forward and backward (gradients thrown away) under torch.profiler, counting the c10d ops."""
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
+def print_collectives(model, x, y, pos_ids, mesh, pos, args):
+    """One more forward and backward (gradients thrown away) under torch.profiler, counting the
+    c10d ops that the dispatcher runs whatever the backend (torch/csrc/distributed/c10d/Ops.cpp)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        F.cross_entropy(model(x, pos).flatten(0, 1), y.flatten()).backward()
+        F.cross_entropy(model(x, pos_ids).flatten(0, 1), y.flatten()).backward()
     model.zero_grad(set_to_none=True)
     names = [event.name for event in prof.events()]
-    p2p, all_reduce = (
-        names.count("c10d::send") + names.count("c10d::recv_"),
-        names.count("c10d::allreduce_"),
-    )
+    p2p = names.count("c10d::send") + names.count("c10d::recv_")
+    dp, cp, c = mesh["dp"].size(), mesh["cp"].size(), args.block_size // (2 * args.cp)
     print_in_order(
-        f"{where}\none step: {p2p} p2p ops (isend + irecv, cp row), {all_reduce} all_reduce (DDP, world)"
+        f"dp {mesh['dp'].get_local_rank()}/{dp}, cp {mesh['cp'].get_local_rank()}/{cp}: positions "
+        f"{pos[0]}..{pos[c - 1]} and {pos[c]}..{pos[-1]} of {args.batch_size} window(s) per step\n"
+        f"one step: {p2p} p2p ops (isend + irecv, cp row), {names.count('c10d::allreduce_')} "
+        "all_reduce (DDP, world)"
     )
 
 
 def print_activation_memory(args, ctx, start, model, cp_rank):
-    """Forward and loss of one batch at 1/4, 1/2 and all of --block-size: whole windows on one process
-    (start: model.py's GPT) against this rank's two chunks of them under cp (model: ring attention)."""
-    print0(
-        f"activations saved for backward per rank, forward + loss of {args.batch_size} window(s), KiB:"
-    )
-    for T in [
-        t
-        for t in (args.block_size // 4, args.block_size // 2, args.block_size)
-        if t % (2 * args.cp) == 0
-    ]:
-        idx = torch.randint(
-            0,
-            256,
-            (args.batch_size, T + 1),
-            generator=torch.Generator().manual_seed(T),
-            device="cpu",
-        )
-        (a, peak_a), (b, peak_b) = (
-            activation_bytes(gpt, idx, pos, ctx.device)
-            for gpt, pos in (
-                (GPTWithPositions(start), torch.arange(T, device="cpu")),
-                (model, zigzag_positions(cp_rank, args.cp, T)),
-            )
-        )
+    """Forward and loss of one batch at 1/4, 1/2 and all of --block-size: whole windows on one
+    process (start: model.py's GPT) against this rank's two chunks of them under cp (model)."""
+    B, cp = args.batch_size, args.cp
+    print0(f"activations saved for backward per rank, forward + loss of {B} window(s), KiB:")
+    lengths = (args.block_size // 4, args.block_size // 2, args.block_size)
+    for T in [t for t in lengths if t % (2 * cp) == 0]:
+        gen = torch.Generator().manual_seed(T)
+        idx = torch.randint(0, 256, (B, T + 1), generator=gen, device="cpu")
+        whole = torch.arange(T, device="cpu")
+        one_process = GPTWithPositions(start)  # device: start's, ctx.device
+        a, peak_a = activation_bytes(one_process, idx, whole, ctx.device)
+        b, peak_b = activation_bytes(model, idx, zigzag_positions(cp_rank, cp, T), ctx.device)
+        cuda = ""
+        if peak_a is not None:  # on CUDA
+            cuda = f" (CUDA max_memory_allocated {peak_a / 1024:,.0f} | {peak_b / 1024:,.0f})"
         print0(
-            f"  T {T:5d}: one process, T tokens {a / 1024:9,.1f} | cp {args.cp}, T/{args.cp} tokens "
-            f"{b / 1024:9,.1f} | ratio {b / a:.3f}"
-            + (
-                f" (CUDA max_memory_allocated {peak_a / 1024:,.0f} | {peak_b / 1024:,.0f})"
-                if peak_a is not None
-                else ""
-            )
+            f"  T {T:5d}: one process, T tokens {a / 1024:9,.1f} | cp {cp}, T/{cp} tokens "
+            f"{b / 1024:9,.1f} | ratio {b / a:.3f}{cuda}"
         )
 
 
 def activation_bytes(model, idx, pos, device):
-    """Bytes of the tensors autograd saves for backward, each storage once, parameters left out (pack sees every
-    one, save_for_backward's too: torch/autograd/graph.py); on CUDA also the peak of max_memory_allocated."""
+    """Bytes of the tensors autograd saves for backward, each storage once, parameters left out
+    (pack sees every one, save_for_backward's too: torch/autograd/graph.py); on CUDA also the peak
+    of max_memory_allocated."""
     x, y = (t[:, pos].to(device) for t in (idx[:, :-1], idx[:, 1:]))
-    skip, seen, cuda = (
-        {p.untyped_storage().data_ptr() for p in model.parameters()},
-        {},
-        device.type == "cuda",
-    )
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen, cuda = {}, device.type == "cuda"
 
     def pack(t):
         if t.untyped_storage().data_ptr() not in skip:
@@ -230,39 +196,38 @@ def check_against_one_process(args, ctx, start, gpt, losses, tokens, dp):
         ref_losses[-1].backward()
         optimizer.step()
         optimizer.zero_grad()
-    dist.all_reduce(
-        losses
-    )  # the mean of the ranks' losses is the global batch's: equal token counts
+    dist.all_reduce(losses)  # the ranks' mean is the global batch's loss: equal token counts
     losses, ref_losses = (losses / ctx.world_size).tolist(), [loss.item() for loss in ref_losses]
     for step, (got, want) in enumerate(zip(losses, ref_losses)):
         print0(f"step {step}: loss {got:.6f} (one process {want:.6f})")
-    # float32 (eps 2**-23), TF32 off. A sum of n terms errs by at most about n*eps of their sizes (Higham, Accuracy
-    # and Stability of Numerical Algorithms, 2nd ed., 4.2); the longest: a weight's gradient over the global batch's
-    # tokens (dp*B*T), the MLP's matmuls (4*n_embd); a few chained (8x); each step's error carried on (x steps).
+    # float32 (eps 2**-23), TF32 off. A sum of n terms errs by at most about n*eps of their sizes
+    # (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., 4.2); the longest: a
+    # weight's gradient over the global batch's tokens (dp*B*T), the MLP's matmuls (4*n_embd); a
+    # few chained (8x); each step's error carried on (x steps).
     bound = 8 * args.steps * (dp * B * args.block_size + 4 * args.n_embd) * 2.0**-23
     loss_error = max(abs(g - w) / w for g, w in zip(losses, ref_losses))
-    # Updates, not values: relative to the largest update of any parameter (one that SGD barely moved, e.g. the
-    # key bias, whose gradient is exactly 0, is compared at the scale of the training that happened).
+    # Updates, not values: relative to the largest update of any parameter (one that SGD barely
+    # moved, e.g. the key bias, whose gradient is exactly 0, is compared at the scale of the
+    # training that happened).
     update = max((r - r0).abs().max().item() for r, r0 in zip(reference.parameters(), initial))
-    name, diff = max(
-        (
-            (name, (p - r).abs().max().item())
-            for (name, p), r in zip(gpt.named_parameters(), reference.parameters())
-        ),
-        key=lambda item: item[1],
-    )
+    pairs = zip(gpt.named_parameters(), reference.parameters())
+    diffs = {name: (p - r).abs().max().item() for (name, p), r in pairs}
+    name = max(diffs, key=diffs.get)
+    diff = diffs[name]
     print_in_order(
-        f"max error vs one process: loss {loss_error:.1e} (relative), parameters {diff / update:.1e} "
-        f"of the largest update ({name}); bound {bound:.1e}"
+        f"max error vs one process: loss {loss_error:.1e} (relative), parameters "
+        f"{diff / update:.1e} of the largest update ({name}); bound {bound:.1e}"
     )
     if not (loss_error <= bound and diff / update <= bound):
         raise RuntimeError(
             f"rank {ctx.rank}: context-parallel training differs from one process: loss error "
-            f"{loss_error:.1e}, {name} {diff / update:.1e} of the largest update (bound {bound:.1e})"
+            f"{loss_error:.1e}, {name} {diff / update:.1e} of the largest update "
+            f"(bound {bound:.1e})"
         )
     print0(
-        f"OK: the GPT trained {args.steps} steps with context parallelism on a {dp}x{args.cp} (dp x cp) mesh, "
-        f"ring attention in every block: losses and parameters equal one process's on the global batch"
+        f"OK: the GPT trained {args.steps} steps with context parallelism on a {dp}x{args.cp} "
+        "(dp x cp) mesh, ring attention in every block: losses and parameters equal one "
+        "process's on the global batch"
     )
 
 
@@ -270,21 +235,16 @@ if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument(
         "--cp",
-        type=int,
-        default=0,
-        help="context-parallel size, a row of the mesh; dp = ranks "
-        "/ cp (default: 2 on an even world size, else the whole world)",
+        type=int_in(1, 4096),
+        help="context-parallel size, a row of the mesh; dp = ranks / cp (default: 2 on an even "
+        "world size, else the whole world)",
     )
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=2, help="windows per dp row and step")
-    parser.add_argument("--lr", type=float, default=0.3)
-    parser.add_argument("--seed", type=int, default=0)
-    add_model_args(
-        parser, n_layer=2, n_head=2, n_embd=32, block_size=96
-    )  # 2cp divides 96 for cp 1, 2, 3, 4, 6, 8
-    test_flags(parser).add_argument(
-        "--local-positions",
-        action="store_true",
-        help="give the position embedding 0..T/cp-1 (model.py's way), not the chunks'",
+    parser.add_argument("--steps", type=int_in(1, 1000), default=3)
+    parser.add_argument(
+        "--batch-size", type=int_in(1, 1024), default=2, help="windows per dp row and step"
     )
+    parser.add_argument("--lr", type=float_in(0, 10, low_open=True), default=0.3)
+    parser.add_argument("--seed", type=int_in(0, 2**31 - 1), default=0)
+    # 2cp divides 96 for cp 1, 2, 3, 4, 6, 8
+    add_model_args(parser, n_layer=2, n_head=2, n_embd=32, block_size=96)
     run(main, parser.parse_args())

@@ -1,22 +1,28 @@
-"""The GPT of model.py with mixture-of-experts MLPs, trained with expert parallelism next to data parallelism.
+"""The GPT of model.py with mixture-of-experts MLPs, trained with expert and data parallelism.
 
-The ranks form a dp x ep grid (a 2-D DeviceMesh), each rank reading its own windows. Each block's MLP is a
-top-k dropless MoE of E experts; the ep ranks of a mesh row (neighbours in rank order: keep them in a node,
-they all_to_all in every layer) hold E/ep experts each, and dispatch_to_experts (expert_parallel.py) takes
-each token to its experts inside the row and back. The loss: the mean over ranks of each rank's cross-entropy
-+ aux weight x the sum over layers of its Switch aux loss (on its own tokens). So the gradients:
-  dense parts (embeddings, attention, norms, routers, head): each rank's copy saw its own windows only:
-    all_reduce over all N ranks, / N, as DDP does;
-  an expert: the copy on one row got the tokens of every rank of that row, so its backward already summed
-    those ep ranks' parts; the other rows' parts are on its other copies, down the mesh column: all_reduce
-    over dp, and / N as well (/ dp would be ep times too much). Over all ranks would add other experts'.
-Checked against the same MoE GPT trained on one process, every rank's windows a micro-batch (each aux loss
-over the same tokens), float32: each step's loss and the final parameters. With SGD: AdamW divides each
-gradient by its own size (an ep-times gradient would barely move it) and blows up the float noise of the
-key bias's exactly-zero gradient (README); the state printed counts AdamW's two moments all the same.
+The ranks form a dp x ep grid (a 2-D DeviceMesh), each rank reading its own windows. Each block's
+MLP is a top-k dropless MoE of E experts; the ep ranks of a mesh row (neighbours in rank order:
+keep them in a node, they all_to_all in every layer) hold E/ep experts each, and
+dispatch_to_experts (expert_parallel.py) takes each token to its experts inside the row and back.
+The loss: the mean over ranks of each rank's cross-entropy + aux weight x the sum over layers of
+its Switch aux loss (on its own tokens). So the gradients:
+  dense parts (embeddings, attention, norms, routers, head): each rank's copy saw its own windows
+    only: all_reduce over all N ranks, / N, as DDP does;
+  an expert: the copy on one row got the tokens of every rank of that row, so its backward already
+    summed those ep ranks' parts; the other rows' parts are on its other copies, down the mesh
+    column: all_reduce over dp, and / N as well (/ dp would be ep times too much). Over all ranks
+    would add other experts'.
+Checked against the same MoE GPT trained on one process, every rank's windows a micro-batch (each
+aux loss over the same tokens), float32: each step's loss and the final parameters. With SGD:
+AdamW divides each gradient by its own size (an ep-times gradient would barely move it) and blows
+up the float noise of the key bias's exactly-zero gradient (README); the state printed counts
+AdamW's two moments all the same.
 
     torchrun --nproc_per_node=2 transformer_basics/train_moe.py                 # dp 1 x ep 2
     python transformer_basics/train_moe.py --nproc 4 --ep 2                     # dp 2 x ep 2
+
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_to_all_single
 """
 
@@ -31,12 +37,12 @@ from torch.profiler import ProfilerActivity, profile
 
 import data
 from expert_parallel import dispatch_to_experts
-from launch.dist_setup import lesson_parser, print0, print_in_order, run, test_flags
+from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_order, run
 from model import GPT, add_model_args, config_from_args
 
 
 class MoE(nn.Module):
-    """A block's MLP: a router over E experts (replicated) and `local` of them from expert `first` on."""
+    """A block's MLP: a router over E experts (replicated), `local` experts from `first` on."""
 
     def __init__(self, router, w1, w2, first, local, top_k, group):
         super().__init__()
@@ -50,13 +56,9 @@ class MoE(nn.Module):
         probs = F.softmax(flat @ self.router.T, dim=-1)
         weights, expert = probs.topk(self.top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
-        f = (
-            torch.bincount(expert.flatten(), minlength=len(self.router)).to(probs.dtype)
-            / expert.numel()
-        )
-        self.aux = (
-            len(self.router) * (f * probs.mean(0)).sum()
-        )  # Switch eq. 4 on this rank's tokens
+        E = len(self.router)
+        f = torch.bincount(expert.flatten(), minlength=E).to(probs.dtype) / expert.numel()
+        self.aux = E * (f * probs.mean(0)).sum()  # Switch eq. 4, on this rank's tokens
         return (weights.unsqueeze(-1) * self.experts(flat, expert)).sum(1).view_as(x)
 
     def experts(self, flat, expert):  # the all_to_alls over self.group; splits kept for the report
@@ -68,48 +70,31 @@ class MoE(nn.Module):
 def main(args, ctx):
     N, E = ctx.world_size, args.experts
     ep = args.ep = args.ep or (2 if N % 2 == 0 else 1)
-    ctx.require(
-        ep >= 1 and N % ep == 0, f"--ep {ep} must divide the {N} ranks: pick a divisor of {N}"
-    )
+    ctx.require(N % ep == 0, f"--ep {ep} must divide the {N} ranks: pick a divisor of {N}")
     ctx.require(
         E % ep == 0,
         f"--experts {E} must be a multiple of --ep {ep}: pick --experts {ep * max(1, E // ep)}",
     )
-    ctx.require(
-        1 <= args.top_k <= E, f"--top-k must be between 1 and --experts ({E}), got {args.top_k}"
-    )
-    ctx.require(
-        min(args.steps, args.batch_size, args.hidden, args.n_head) >= 1
-        and args.n_embd % args.n_head == 0,
-        "--steps, --batch-size, --hidden, --n-head must be >= 1, --n-embd a multiple of --n-head",
-    )
-    torch.backends.cuda.matmul.fp32_precision = (
-        "ieee"  # float32 matmuls, never TF32 (the bound assumes it)
-    )
+    ctx.require(args.top_k <= E, f"--top-k must be between 1 and --experts ({E}), got {args.top_k}")
+    ctx.require(args.n_embd % args.n_head == 0, "--n-embd must be a multiple of --n-head")
     corpus = data.encode(data.generate_corpus(2000))
+    ctx.require(not (problem := data.check_tokens(corpus, args.block_size, None)), str(problem))
+    torch.backends.cuda.matmul.fp32_precision = "ieee"  # never TF32 (the check's bound)
 
     mesh = init_device_mesh(ctx.device.type, (N // ep, ep), mesh_dim_names=("dp", "ep"))
-    windows = data.ShardedWindows(
-        corpus, args.block_size, ctx.rank, N, args.seed
-    )  # every rank its own
+    windows = data.ShardedWindows(corpus, args.block_size, ctx.rank, N, args.seed)  # its own
     torch.manual_seed(args.seed)
     model = GPT(config_from_args(args)).to(ctx.device)
     reference = copy.deepcopy(model)  # for the check: the same dense weights
     first = mesh["ep"].get_local_rank() * (E // ep)  # my experts: first .. first + E/ep - 1
     for layer, block in model.blocks.items():
-        block.mlp = MoE(
-            *init_moe(args, layer), first, E // ep, args.top_k, mesh["ep"].get_group()
-        ).to(ctx.device)
+        moe = MoE(*init_moe(args, layer), first, E // ep, args.top_k, mesh["ep"].get_group())
+        block.mlp = moe.to(ctx.device)
     experts = [p for name, p in model.named_parameters() if name.endswith((".w1", ".w2"))]
-    dense = [
-        p for name, p in model.named_parameters() if not name.endswith((".w1", ".w2"))
-    ]  # router too
-    expert_group = dist.group.WORLD if args.experts_over_world else mesh["dp"].get_group()
+    dense = [p for name, p in model.named_parameters() if not name.endswith((".w1", ".w2"))]
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     losses = []
-    with profile(
-        activities=[ProfilerActivity.CPU]
-    ) as prof:  # for the report: counts the collectives
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # for the report: the collectives
         for step in range(args.steps):
             optimizer.zero_grad()
             x, y = (t.to(ctx.device) for t in windows.batch(step, 0, args.batch_size))
@@ -117,16 +102,11 @@ def main(args, ctx):
             aux = sum(block.mlp.aux for block in model.blocks.values())
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) + args.aux_weight * aux
             loss.backward()  # each MoE layer: 2 all_to_all (the token exchanges' gradients)
-            for params, group in ((dense, dist.group.WORLD), (experts, expert_group)):
-                flat = torch.cat(
-                    [p.grad.flatten() for p in params]
-                )  # one all_reduce each (DDP buckets too)
-                dist.all_reduce(
-                    flat, group=group
-                )  # SUM over the world (dense) or the dp column (experts)
-                flat /= (
-                    N // ep if args.experts_divided_by_dp and params is experts else N
-                )  # tests: / dp
+            # dense: summed over the world; experts: over the dp column (routers are dense)
+            for params, group in ((dense, dist.group.WORLD), (experts, mesh["dp"].get_group())):
+                flat = torch.cat([p.grad.flatten() for p in params])  # one all_reduce each
+                dist.all_reduce(flat, group=group)
+                flat /= N  # both / N: the loss is the mean over all N ranks
                 for p, g in zip(params, flat.split([p.numel() for p in params])):
                     p.grad.copy_(g.view_as(p))
             optimizer.step()
@@ -136,20 +116,22 @@ def main(args, ctx):
     check_against_one_process(reference, model, torch.stack(losses), corpus, first, args, ctx)
 
 
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
 def init_moe(args, layer):
-    """Router (E, C), W1 (E, C, hidden), W2 (E, hidden, C) of all E experts, the same on every rank (CPU)."""
+    """Router (E, C), W1 (E, C, hidden), W2 (E, hidden, C) of all E experts, the same on every rank
+    (CPU)."""
     g = torch.Generator().manual_seed(args.seed * 1000 + int(layer))
     E, C, H = args.experts, args.n_embd, args.hidden
     rand = lambda *shape, std: torch.randn(shape, generator=g, device="cpu") * std  # noqa: E731
-    return (
-        rand(E, C, std=C**-0.5),
-        rand(E, C, H, std=C**-0.5),
-        rand(E, H, C, std=0.02 / (2 * args.n_layer) ** 0.5),
-    )
+    w2_std = 0.02 / (2 * args.n_layer) ** 0.5
+    return rand(E, C, std=C**-0.5), rand(E, C, H, std=C**-0.5), rand(E, H, C, std=w2_std)
 
 
 class OneProcessMoE(MoE):
-    """The check's MoE: all E experts in one process, every expert on every token, then the k chosen picked."""
+    """The check's MoE: all E experts in one process, every expert on every token, then the k
+    chosen picked."""
 
     def experts(self, flat, expert):
         every = F.gelu(torch.einsum("tc,ech->eth", flat, self.w1)) @ self.w2  # (E, T, C)
@@ -157,46 +139,41 @@ class OneProcessMoE(MoE):
 
 
 def report(model, prof, first, local, mesh, args, ctx):
-    """Per rank: its experts, (token, choice) rows to and from the other ep ranks (forward, all layers: backward
-    sends as many), state bytes, collectives per step."""
+    """Per rank: its experts, (token, choice) rows to and from the other ep ranks (forward, all
+    layers: backward sends as many), state bytes, collectives per step."""
     me, mlps = mesh["ep"].get_local_rank(), [block.mlp for block in model.blocks.values()]
     steps = list(zip(*(mlp.splits for mlp in mlps)))  # [step][layer] -> (sent, received, ran)
-    sent, received = (
-        [sum(sum(s[i]) - s[i][me] for s in layers) for layers in steps] for i in (0, 1)
-    )
+    sent, received = ([sum(sum(s[i]) - s[i][me] for s in step) for step in steps] for i in (0, 1))
     nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
-    params, expert_bytes = (
-        list(model.parameters()),
-        nbytes(w for mlp in mlps for w in (mlp.w1, mlp.w2)),
-    )
+    params = list(model.parameters())
+    expert_bytes = nbytes(w for mlp in mlps for w in (mlp.w1, mlp.w2))
     # AdamW keeps exp_avg and exp_avg_sq, each zeros_like(param) (torch/optim/adam.py, _init_group)
     state = nbytes(params) + nbytes(p.grad for p in params) + 2 * nbytes(params)
-    counts = {
-        e.key: e.count for e in prof.key_averages()
-    }  # c10d's ops, whichever backend runs them
+    counts = {e.key: e.count for e in prof.key_averages()}  # c10d's ops, whatever the backend
     all_to_all, all_reduce = (
         counts.get(f"c10d::{op}", 0) / args.steps for op in ("alltoall_base_", "allreduce_")
     )
     print_in_order(
-        f"dp {mesh['dp'].get_local_rank()}, ep {me}: experts {first}..{first + local - 1} of each layer; "
-        f"rows sent to / received from the other ep ranks per step: {sent} / {received}\n"
-        f"state {state:,} B = parameters {nbytes(params):,} (experts {expert_bytes:,}) + gradients "
-        f"+ AdamW's 2 moments; per step: {all_to_all:g} all_to_all, {all_reduce:g} all_reduce"
+        f"dp {mesh['dp'].get_local_rank()}, ep {me}: experts {first}..{first + local - 1} of each "
+        f"layer; rows sent to / received from the other ep ranks per step: {sent} / {received}\n"
+        f"state {state:,} B = parameters {nbytes(params):,} (experts {expert_bytes:,}) + "
+        f"gradients + AdamW's 2 moments; per step: {all_to_all:g} all_to_all, {all_reduce:g} "
+        "all_reduce"
     )
 
 
 def check_against_one_process(reference, model, losses, corpus, first, args, ctx):
-    """The same MoE GPT, same start, trained in this process on every rank's windows (one micro-batch per
-    rank, each loss / N): every step's loss and the final parameters must match the ranks'. Both float32, so
-    only rounding differs (the experts' kernels, the order of the gradients' sums): each loss by about one ulp
-    (4.8e-7 at 4 to 8), each parameter by a few of its own (< 1: ulp <= 6e-8), compounding over the steps;
-    --tol 2e-5 is 40 ulps of the loss, and a wrong gradient sum is off by 1e-2 (tests). A token whose k-th
-    and (k+1)-th router probabilities tie within rounding could pick another expert: pick another --seed."""
+    """The same MoE GPT, same start, trained in this process on every rank's windows (one
+    micro-batch per rank, each loss / N): every step's loss and the final parameters must match the
+    ranks'. Both float32, so only rounding differs (the experts' kernels, the order of the
+    gradients' sums): each loss by about one ulp (4.8e-7 at 4 to 8), each parameter by a few of its
+    own (< 1: ulp <= 6e-8), compounding over the steps; --tol 2e-5 is 40 ulps of the loss, and a
+    wrong gradient sum is off by 1e-2 (tests/test_mutations.py). A token whose k-th and (k+1)-th
+    router probabilities tie within rounding could pick another expert: pick another --seed."""
     N, local = ctx.world_size, args.experts // args.ep
     for layer, block in reference.blocks.items():
-        block.mlp = OneProcessMoE(*init_moe(args, layer), 0, args.experts, args.top_k, None).to(
-            ctx.device
-        )
+        moe = OneProcessMoE(*init_moe(args, layer), 0, args.experts, args.top_k, None)
+        block.mlp = moe.to(ctx.device)
     optimizer = torch.optim.SGD(reference.parameters(), lr=args.lr)
     every_rank = [data.ShardedWindows(corpus, args.block_size, r, N, args.seed) for r in range(N)]
     ref_losses = torch.zeros(args.steps, device=ctx.device)
@@ -205,9 +182,8 @@ def check_against_one_process(reference, model, losses, corpus, first, args, ctx
         for windows in every_rank:
             x, y = (t.to(ctx.device) for t in windows.batch(step, 0, args.batch_size))
             ce = F.cross_entropy(reference(x).flatten(0, 1), y.flatten())
-            loss = (
-                ce + args.aux_weight * sum(block.mlp.aux for block in reference.blocks.values())
-            ) / N
+            aux = sum(block.mlp.aux for block in reference.blocks.values())
+            loss = (ce + args.aux_weight * aux) / N
             loss.backward()
             ref_losses[step] += loss.detach()
         optimizer.step()
@@ -215,26 +191,13 @@ def check_against_one_process(reference, model, losses, corpus, first, args, ctx
     losses /= N
     loss_error = (losses - ref_losses).abs().max().item()
     ref_params = dict(reference.named_parameters())
-    param_error = max(
-        (
-            p
-            - (
-                ref_params[name][first : first + local]
-                if name.endswith((".w1", ".w2"))
-                else ref_params[name]
-            )
-        )
-        .abs()
-        .max()
-        .item()
-        for name, p in model.named_parameters()
-    )
-    print0(
-        "loss per step: "
-        + ", ".join(
-            f"{a:.6f} (one process {b:.6f})" for a, b in zip(losses.tolist(), ref_losses.tolist())
-        )
-    )
+    mine = {  # this rank's experts of each layer, every other parameter whole
+        name: p[first : first + local] if name.endswith((".w1", ".w2")) else p
+        for name, p in ref_params.items()
+    }
+    param_error = max((p - mine[n]).abs().max().item() for n, p in model.named_parameters())
+    pairs = zip(losses.tolist(), ref_losses.tolist())
+    print0("loss per step: " + ", ".join(f"{a:.6f} (one process {b:.6f})" for a, b in pairs))
     print_in_order(
         f"largest difference from one process: loss {loss_error:.1e}, parameters {param_error:.1e}"
     )
@@ -245,9 +208,9 @@ def check_against_one_process(reference, model, losses, corpus, first, args, ctx
             f"loss {loss_error:.1e}, parameters {param_error:.1e}"
         )
     print0(
-        f"OK: MoE GPT on a {N // args.ep}x{args.ep} (dp x ep) mesh, {args.experts} experts top-{args.top_k}: the "
-        f"losses of {args.steps} steps and the parameters equal one process's (max diff "
-        f"{max(loss_error, param_error):.1e})"
+        f"OK: MoE GPT on a {N // args.ep}x{args.ep} (dp x ep) mesh, {args.experts} experts "
+        f"top-{args.top_k}: the losses of {args.steps} steps and the parameters equal one "
+        f"process's (max diff {max(loss_error, param_error):.1e})"
     )
 
 
@@ -255,39 +218,29 @@ if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument(
         "--ep",
-        type=int,
-        default=0,
-        help="expert-parallel size (a row of the mesh); dp = ranks / ep "
-        "(default: 2 on an even world size, else 1)",
+        type=int_in(1, 4096),
+        help="expert-parallel size (a row of the mesh); dp = ranks / ep (default: 2 on an even "
+        "world size, else 1)",
     )
     parser.add_argument(
-        "--experts", type=int, default=8, help="E per layer; a multiple of --ep (8: ep 1, 2, 4, 8)"
+        "--experts", type=int_in(1, 4096), default=8, help="E per layer; a multiple of --ep"
     )
-    parser.add_argument("--top-k", type=int, default=2, help="experts per token")
-    parser.add_argument("--hidden", type=int, default=64, help="each expert's hidden width")
+    parser.add_argument("--top-k", type=int_in(1, 64), default=2, help="experts per token")
+    parser.add_argument("--hidden", type=int_in(1, 65_536), default=64, help="an expert's width")
     parser.add_argument(
-        "--aux-weight", type=float, default=0.01, help="weight of the load-balancing loss"
+        "--aux-weight", type=float_in(0, 100), default=0.01, help="the load-balancing loss's weight"
     )
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=2, help="windows per rank per step")
-    parser.add_argument("--lr", type=float, default=0.2)
+    parser.add_argument("--steps", type=int_in(1, 1000), default=3)
+    parser.add_argument(
+        "--batch-size", type=int_in(1, 1024), default=2, help="windows per rank per step"
+    )
+    parser.add_argument("--lr", type=float_in(0, 10, low_open=True), default=0.2)
     parser.add_argument(
         "--tol",
-        type=float,
+        type=float_in(0, 1, low_open=True),
         default=2e-5,
         help="largest difference accepted (float32, see the check)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int_in(0, 2**31 - 1), default=0)
     add_model_args(parser, n_layer=2, n_head=2, n_embd=32, block_size=32)
-    broken = test_flags(parser)
-    broken.add_argument(
-        "--experts-divided-by-dp",
-        action="store_true",
-        help="the experts' gradients summed over dp, / dp instead of / N: ep times too large",
-    )
-    broken.add_argument(
-        "--experts-over-world",
-        action="store_true",
-        help="the experts' gradients all_reduced over all ranks: other experts' gradients added in",
-    )
     run(main, parser.parse_args())

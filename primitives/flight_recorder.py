@@ -160,11 +160,11 @@ def check_reading(jobs, analysis, culprit, args, world, dump_dir):
         calls = read_record(group, dump_dir, world)
         seq, at, odd = odd_one_out(calls)
         last = {r: entries[-1][0] if entries else 0 for r, entries in calls.items()}
-        print(
-            f"[{fault}] last collective per rank {last}; first disagreement #{seq}: {at}; "
-            f"odd rank(s) out {odd}; torchfrtrace: {torch_says.get(f'job_{fault}')}",
-            flush=True,
+        calls_at = ", ".join(
+            f"rank {r} {c[0]} {c[1]}" if c else f"rank {r} -" for r, c in at.items()
         )
+        print(f"[{fault}] last collective per rank {last}; first disagreement #{seq}: {calls_at}")
+        print(f"[{fault}] odd rank(s) out {odd}; torchfrtrace: {torch_says.get(f'job_{fault}')}")
         n = args.size
         expected = {"skip": None, "order": ("broadcast", [[n]]), "size": ("all_reduce", [[n - 1]])}
         want_odd = [culprit] if world > 2 or fault == "skip" else [0, 1]

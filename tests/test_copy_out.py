@@ -1,10 +1,10 @@
-"""A lesson copied out of this repository runs: launch/README.md's block replaces the import.
+"""A lesson copied out of this repository runs: launch/README.md's blocks replace the import.
 
 For each lesson below (one per folder at least, and a DTensor lesson): copy it and the helper
 modules of its folder that it imports (toy.py, model.py, ...; found by following its imports) into
 an empty temporary directory outside the repository, replace its `from launch.dist_setup import
-...` by the Python block of launch/README.md's section "Copying a lesson into your project" (read
-from the README, so the README's block is what is tested), and run it under real torchrun at 2
+...` by the Python blocks of launch/README.md's section "Copying a lesson into your project" (read
+from the README, so the README's blocks are what is tested), and run it under real torchrun at 2
 ranks, from that directory and without PYTHONPATH. It must print its OK line.
 
 The editable install still puts this repository's `launch` on sys.path, so the copy is read first:
@@ -15,7 +15,6 @@ repository.
 
 import ast
 import re
-import shutil
 import sys
 
 import pytest
@@ -37,12 +36,13 @@ LESSONS = [
 
 
 def readme_block():
-    """The first ```python block after the section's heading in launch/README.md."""
+    """The ```python blocks of launch/README.md's section, joined: what replaces the import."""
     text = (ROOT / "launch" / "README.md").read_text()
     assert SECTION in text, f"launch/README.md has no section {SECTION!r}"
-    found = re.search(r"```python\n(.*?)```", text.split(SECTION, 1)[1], re.S)
-    assert found, f"no ```python block in launch/README.md's {SECTION!r}"
-    return found.group(1)
+    section = text.split(SECTION, 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert blocks, f"no ```python block in launch/README.md's {SECTION!r}"
+    return "\n\n".join(blocks)
 
 
 def defined(block):
@@ -93,6 +93,17 @@ def copy_out(lesson, into, block):
     return into / (ROOT / lesson).name
 
 
+@pytest.mark.quick
+def test_a_launch_reference_left_in_a_copy_is_caught(tmp_path):
+    folder, into = tmp_path / "lessons", tmp_path / "out"
+    folder.mkdir(), into.mkdir()
+    (folder / "helper.py").write_text("from launch.printing import print0\n")
+    (folder / "lesson.py").write_text("from launch.dist_setup import print0, run\nimport helper\n")
+    with pytest.raises(AssertionError, match="helper.py still refers to the launch package"):
+        copy_out(str(folder / "lesson.py"), into, readme_block())
+
+
+@pytest.mark.quick
 def test_the_block_provides_every_name_a_lesson_imports():
     """Every name any lesson imports from launch.dist_setup today, except test_flags, which issue
     29 removes from the lessons (tests/test_lesson_shape.py): so a lesson that starts importing a

@@ -1,5 +1,5 @@
-"""Which device and backend each rank uses, and how many ranks `python lesson.py` starts (launch/dist_setup.py
-calls these; tests/test_foundation.py tests them with mocked GPU counts)."""
+"""Which device and backend each rank uses, and how many ranks `python lesson.py` starts
+(launch/dist_setup.py calls these; tests/test_foundation.py tests them with mocked GPU counts)."""
 
 import os
 
@@ -13,7 +13,11 @@ class UsageError(Exception):
 
 def choose_device(local_rank, local_world_size, backend=None, device=None):
     """Return (torch.device, backend name) for this rank, or raise UsageError."""
-    accel = torch.accelerator.current_accelerator()  # None on a machine without GPUs
+    # The accelerator torch was built for: cuda with PyPI's CUDA build even on a machine without a
+    # GPU, None with a CPU build (torch 2.13's current_accelerator docstring: without
+    # check_available=True it checks the build only). device_count() is 0 without a usable device,
+    # so n_accel, not accel, says whether this machine has GPUs.
+    accel = torch.accelerator.current_accelerator()
     n_accel = torch.accelerator.device_count() if accel is not None else 0
     asked = f"--device {device}" if device else f"--backend {backend}"
     if device is None:
@@ -46,13 +50,14 @@ def choose_device(local_rank, local_world_size, backend=None, device=None):
 
 
 def cores():
-    """The cores this process may run on (its affinity mask, e.g. under Slurm or taskset), else all."""
+    """The cores this process may run on (its affinity mask, under Slurm or taskset), else all."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def default_nproc(args):
-    """`python lesson.py` without --nproc: one rank per GPU, else 2, and at least the lesson's min_ranks
-    (a lesson that needs a peer still runs on a 1-GPU machine: its 2 ranks fall back to CPU + Gloo)."""
+    """`python lesson.py` without --nproc: one rank per GPU, else 2, and at least the lesson's
+    min_ranks (a lesson that needs a peer still runs on a 1-GPU machine: its 2 ranks fall back to
+    CPU + Gloo)."""
     wants_cpu = args.backend == "gloo" or args.device == "cpu"
     gpus = torch.accelerator.device_count() if not wants_cpu else 0
     return max(gpus or 2, getattr(args, "min_ranks", 1))

@@ -6,8 +6,7 @@
         ...
         print0("OK: ...")
 
-    if __name__ == "__main__":
-        run(main, lesson_parser(__doc__).parse_args())
+    run(main, lesson_parser(__doc__).parse_args())    # last, under if __name__ == "__main__"
 
 Under torchrun it reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT. Started as `python lesson.py --nproc N` it starts N processes itself,
@@ -15,7 +14,19 @@ rendezvous on a free port of 127.0.0.1. Either way each rank picks its device an
 (CUDA+NCCL when every local rank has a GPU of its own, else CPU+Gloo; --backend/--device
 or DIST_BACKEND/DIST_DEVICE override), initialises the process group with a bounded
 timeout, runs main(args, ctx) and destroys the group on every path. The device choice lives in
-launch/devices.py and the print helpers in launch/printing.py; lessons import both from here.
+launch/devices.py, the print helpers in launch/printing.py and the flags' ranged types in
+launch/argtypes.py; lessons import all of them from here. A lesson copied out of this repository
+replaces this import with the block in launch/README.md ("Copying a lesson into your project";
+tests/test_copy_out.py runs lessons copied out that way under torchrun).
+
+How the test suite runs the lessons (CONTRIBUTING.md, "Tests"): real torchrun runs the launch
+tests (tests/test_launch.py, tests/test_launch_cluster.py) and one lesson per folder, the folder's
+first lesson on the core path (primitives/all_reduce.py, ddp_basics/ddp_minimal.py,
+fsdp_basics/fsdp_minimal.py, transformer_basics/train.py), at two world sizes. Every other lesson
+runs once as `python lesson.py --nproc N` (this module's spawn path) and at its other world sizes
+through the suite's warm launcher (tests/warm_launcher.py), which gives each rank the environment
+torchrun gives it and reaches _run_rank the same way. So not every lesson runs under torchrun in
+the suite: what torchrun adds (its agent, restarts, rendezvous) is tested on the launch lessons.
 """
 
 import argparse
@@ -33,7 +44,9 @@ import torch.multiprocessing as mp
 
 from launch.argtypes import existing_file, float_in, int_in, ints_in  # noqa: F401
 from launch.devices import UsageError, choose_device, cores, default_nproc
-from launch.printing import _write, print0, print_in_order, print_rank  # noqa: F401 (the lessons import them from here)
+
+# The lessons import these from here (F401: imported, not used in this file).
+from launch.printing import _write, print0, print_in_order, print_rank  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -158,9 +171,8 @@ def _run_rank(main, args, init=True):
     except UsageError as error:
         sys.stderr.write(f"[rank {rank}] error: {error}\n")  # one write: ranks' lines never mix
         sys.stderr.flush()
-        if (
-            world_size > 1
-        ):  # torchrun and mp.spawn stop every rank when one exits: let the others print first
+        # torchrun and mp.spawn stop every rank when one exits: let the others print first
+        if world_size > 1:
             time.sleep(1)
         return 2
     finally:
@@ -201,9 +213,8 @@ def run(main, args, init_process_group=True):
 
     init_process_group=False leaves the init to main (primitives/init_methods.py).
     """
-    if (
-        "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    ):  # torchrun, Slurm + torchrun, a platform
+    # torchrun, Slurm + torchrun, a platform
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         sys.exit(_run_rank(main, args, init_process_group))
     nproc = args.nproc if args.nproc is not None else default_nproc(args)
     held = None if os.environ.get("MASTER_PORT") else reserve_port()

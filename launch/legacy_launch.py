@@ -1,4 +1,4 @@
-"""For code still started with `python -m torch.distributed.launch` (deprecated; torchrun replaces it).
+"""For code still started with `python -m torch.distributed.launch` (deprecated: use torchrun).
 
 The old launcher passes each process its local rank as an argument, `--local-rank=N`
 (torch >= 2.0; `--local_rank=N` before), unless `--use-env` is given; it always sets the
@@ -9,6 +9,8 @@ falls back to the LOCAL_RANK variable, which is all torchrun sets:
     python -m torch.distributed.launch --nproc_per_node=2 --use-env launch/legacy_launch.py
     torchrun --nproc_per_node=2 launch/legacy_launch.py        # the one-line migration
 
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+
 Docs: https://pytorch.org/docs/stable/distributed.html#launch-utility
 """
 
@@ -16,7 +18,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from launch.dist_setup import lesson_parser, print0, print_in_order, run
+from launch.dist_setup import int_in, lesson_parser, print0, print_in_order, run
 
 
 def main(args, ctx):
@@ -24,12 +26,7 @@ def main(args, ctx):
     print_in_order(f"local rank {local_rank} from the {source}; device {ctx.device}")
     total = torch.tensor([ctx.rank], device=ctx.device)
     dist.all_reduce(total)
-    if total.item() != ctx.world_size * (ctx.world_size - 1) // 2:
-        raise RuntimeError(f"all_reduce gave {total.item()}")
-    print0(
-        f"OK: {ctx.world_size} rank(s) found their local rank from the {source}; migrate with: "
-        f"torchrun --nproc_per_node=N {os.path.relpath(__file__)} (and read LOCAL_RANK from the environment)"
-    )
+    check_sum(total, ctx.world_size, source)
 
 
 def local_rank_of(args, ctx):
@@ -47,13 +44,28 @@ def local_rank_of(args, ctx):
     return args.local_rank, "argument --local-rank"
 
 
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
+def check_sum(total, world_size, source):
+    if total.item() != world_size * (world_size - 1) // 2:
+        raise RuntimeError(f"all_reduce gave {total.item()}")
+    print0(
+        f"OK: {world_size} rank(s) found their local rank from the {source}; migrate with: "
+        f"torchrun --nproc_per_node=N {os.path.relpath(__file__)} "
+        "(and read LOCAL_RANK from the environment)"
+    )
+
+
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    # Both spellings: torch.distributed.launch writes --local-rank since torch 2.0, --local_rank before.
-    parser.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None)
+    # Both spellings: torch.distributed.launch writes --local-rank since torch 2.0, --local_rank
+    # before (the docstring of torch/distributed/launch.py, torch 2.13).
+    parser.add_argument(
+        "--local-rank", "--local_rank", dest="local_rank", type=int_in(0, 4095), default=None
+    )
     args = parser.parse_args()
     if args.local_rank is not None and "RANK" in os.environ:
-        os.environ.setdefault(
-            "LOCAL_RANK", str(args.local_rank)
-        )  # dist_setup picks the device from it
+        # dist_setup picks the device from LOCAL_RANK; the old launcher sets it too
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     run(main, args)

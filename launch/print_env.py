@@ -7,8 +7,10 @@ RANK = GROUP_RANK x LOCAL_WORLD_SIZE + LOCAL_RANK (the node's block of ranks), a
 rank agrees on WORLD_SIZE, MASTER_ADDR:MASTER_PORT and the run id.
 
     torchrun --nproc_per_node=3 launch/print_env.py
-    bash launch/multinode_local.sh static launch/print_env.py        # 2 "nodes" x 2 ranks
-    python launch/print_env.py --nproc 2                               # spawned: no torchrun variables
+    bash launch/multinode_local.sh static launch/print_env.py   # 2 "nodes" x 2 ranks
+    python launch/print_env.py --nproc 2                        # spawned: no torchrun variables
+
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
 
 Docs: https://pytorch.org/docs/stable/elastic/run.html#environment-variables
 """
@@ -50,6 +52,20 @@ SHARED = [
 ]
 
 
+def main(args, ctx):
+    env = {k: os.environ[k] for k in PER_RANK + SHARED if k in os.environ}
+    env["host"] = socket.gethostname()  # not a variable: which machine ("node") the rank is on
+    print_in_order(" ".join(f"{k}={env[k]}" for k in PER_RANK + ["host"] if k in env))
+    print0("shared by all ranks: " + " ".join(f"{k}={env[k]}" for k in SHARED if k in env))
+    # Everyone's environment, on every rank (pickled: fine between our own ranks).
+    views = [None] * ctx.world_size
+    dist.all_gather_object(views, env)
+    check_views(views, ctx.world_size)
+
+
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
 def check(views, n):
     """Everything that must hold between the ranks' environments; returns the problems found."""
     problems = []
@@ -63,7 +79,7 @@ def check(views, n):
             problems.append(
                 f"rank {i}: RANK != GROUP_RANK {v['GROUP_RANK']} x {lws} + LOCAL_RANK {lr}"
             )
-        if "ROLE_RANK" in v and int(v["ROLE_RANK"]) != i:  # one role: role ranks are the ranks
+        if "ROLE_RANK" in v and int(v["ROLE_RANK"]) != i:  # one role: its ranks are the ranks
             problems.append(f"rank {i}: ROLE_RANK {v['ROLE_RANK']} differs")
     for key in SHARED:
         values = {v.get(key) for v in views}
@@ -78,32 +94,21 @@ def check(views, n):
     return problems
 
 
-def main(args, ctx):
-    env = {k: os.environ[k] for k in PER_RANK + SHARED if k in os.environ}
-    env["host"] = (
-        socket.gethostname()
-    )  # not a variable: shows which machine ("node") the rank is on
-    print_in_order(" ".join(f"{k}={env[k]}" for k in PER_RANK + ["host"] if k in env))
-    print0("shared by all ranks: " + " ".join(f"{k}={env[k]}" for k in SHARED if k in env))
-
-    views = (
-        [None] * ctx.world_size
-    )  # everyone's environment, on every rank (pickled: fine between our own ranks)
-    dist.all_gather_object(views, env)
-    problems = check(views, ctx.world_size)
+def check_views(views, n):
+    problems = check(views, n)
     if problems:
         raise RuntimeError("inconsistent launcher environment: " + "; ".join(problems))
+    env = views[0]
     if "TORCHELASTIC_RUN_ID" in env:
-        nodes = int(env["GROUP_WORLD_SIZE"])
         print0(
-            f"OK: {ctx.world_size} rank(s) on {nodes} node(s) via torchrun: ranks 0..{ctx.world_size - 1} "
-            f"match the process group, RANK = GROUP_RANK x LOCAL_WORLD_SIZE + LOCAL_RANK, "
-            f"all agree on {env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+            f"OK: {n} rank(s) on {env['GROUP_WORLD_SIZE']} node(s) via torchrun: ranks "
+            f"0..{n - 1} match the process group, RANK = GROUP_RANK x LOCAL_WORLD_SIZE + "
+            f"LOCAL_RANK, all agree on {env['MASTER_ADDR']}:{env['MASTER_PORT']}"
         )
     else:
         print0(
-            f"OK: {ctx.world_size} rank(s) without torchrun (spawned): only RANK, LOCAL_RANK, WORLD_SIZE, "
-            f"LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT set, consistent"
+            f"OK: {n} rank(s) without torchrun (spawned): only RANK, LOCAL_RANK, WORLD_SIZE, "
+            "LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT set, consistent"
         )
 
 

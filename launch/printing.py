@@ -1,5 +1,5 @@
-"""Printing from several ranks: rank-prefixed lines, rank-0-only lines, lines gathered and printed in rank order.
-Re-exported by launch/dist_setup.py (lessons import them from there)."""
+"""Printing from several ranks: rank-prefixed lines, rank-0-only lines, lines gathered and printed
+in rank order. Re-exported by launch/dist_setup.py (lessons import them from there)."""
 
 import os
 import sys

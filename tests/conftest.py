@@ -27,8 +27,9 @@ def pytest_addoption(parser):
     parser.addoption(
         "--gpu",
         action="store_true",
-        help="GPU mode: also run every lesson on this machine's GPUs with NCCL at each world size "
-        "from 1 to the number of GPUs, and with Gloo on CUDA tensors at 2 ranks (tests/test_gpu.py)",
+        help="GPU mode: also run every lesson on this machine's GPUs with NCCL at each world "
+        "size from 1 to the number of GPUs, and with Gloo on CUDA tensors at 2 ranks "
+        "(tests/test_gpu.py)",
     )
 
 
@@ -37,19 +38,17 @@ def pytest_addoption(parser):
 SHARED_FIXTURES = ("whole_run", "checkpoint_2_ranks", "print_env_3", "slurm")
 
 
-@pytest.hookimpl(
-    tryfirst=True
-)  # before pytest-xdist's own hook, which reads the marks into the test ids
+# before pytest-xdist's own hook, which reads the marks into the test ids
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         shared = [f for f in SHARED_FIXTURES if f in getattr(item, "fixturenames", ())]
-        if item.module.__name__ in (
-            "test_launch_cluster",
-            "test_gpu",
-        ):  # one cluster; GPUs run one lesson at a time
+        # one cluster; GPUs run one lesson at a time
+        if item.module.__name__ in ("test_launch_cluster", "test_gpu"):
             shared = [item.module.__name__]
         if shared:
             item.add_marker(pytest.mark.xdist_group(shared[0]))
-    # A group runs on one worker, one test after another: start the groups first, so that the longest of
-    # them (train.py's runs, a few minutes) does not begin near the end and keep one worker busy alone.
+    # A group runs on one worker, one test after another: start the groups first, so that the
+    # longest of them (train.py's runs, a few minutes) does not begin near the end and keep one
+    # worker busy alone.
     items.sort(key=lambda item: not any(item.iter_markers("xdist_group")))

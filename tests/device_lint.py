@@ -19,8 +19,8 @@ everything is on the CPU. This lint makes the mistake visible without a GPU. Its
    same function.
 4. `torch.load` passes `map_location=` and `weights_only=True`.
 
-A call that is right for a reason the rules cannot see carries a comment `# device: why` on one of its
-lines.
+A call that is right for a reason the rules cannot see carries a comment `# device: why` on one of
+its lines.
 
     python tests/device_lint.py [ROOT]      # prints file:line: message, exit 1 if any
 """
@@ -102,7 +102,8 @@ def _is_module_base(base, known):
 
 
 def repo_module_classes(files):
-    """Names of the classes in these files that subclass nn.Module (directly or through each other)."""
+    """Names of the classes in these files that subclass nn.Module (directly or through each
+    other)."""
     classes = {}
     for f in files:
         for node in ast.walk(ast.parse(f.read_text(), str(f))):
@@ -154,7 +155,8 @@ class _Checker(ast.NodeVisitor):
         return reversed(self.parents[:-1])  # nearest first; the node itself is self.parents[-1]
 
     def _moved(self):
-        """The call being visited flows, through method calls, into .to(...)/.cuda()/.to_empty(...)."""
+        """The call being visited flows, through method calls, into .to(...), .cuda() or
+        .to_empty(...)."""
         chain = self.parents
         i = len(chain) - 1
         while (

@@ -1,14 +1,14 @@
 """Run a lesson the way a user does, as a subprocess, with a hard time limit.
 
-    result = run_lesson("primitives/broadcast.py", nproc=3)              # torchrun
-    result = run_lesson("primitives/broadcast.py", nproc=3, launcher="python")  # --nproc path
-    result = run_lesson("primitives/broadcast.py", nproc=3, launcher="warm")    # as torchrun, forked
+    result = run_lesson("primitives/broadcast.py", nproc=3)                      # torchrun
+    result = run_lesson("primitives/broadcast.py", nproc=3, launcher="python")   # --nproc path
+    result = run_lesson("primitives/broadcast.py", nproc=3, launcher="warm")     # as torchrun
     assert_ok(result)
 
 launcher="warm" (tests/warm_launcher.py) gives each rank exactly the environment torchrun gives it,
 but forks the ranks from a server process that has imported torch once (started on first use, one
-per pytest process, stopped at exit), which saves about 1.5 s of CPU per rank. Keep real torchrun for
-tests about launching itself (restarts, signals, torchrun's own output) and for a lesson's one
+per pytest process, stopped at exit), which saves about 1.5 s of CPU per rank. Keep real torchrun
+for tests about launching itself (restarts, signals, torchrun's own output) and for a lesson's one
 reader-facing run; see tests/warm_launcher.py for what differs.
 
 Each run gets a free port on 127.0.0.1, so runs never collide; a run that outlives
@@ -49,18 +49,21 @@ class Result:
         state = "TIMED OUT" if self.timed_out else f"exit code {self.returncode}"
         if self.rank_codes is not None:
             state += f", ranks exited with {self.rank_codes}"
-        return f"$ {' '.join(self.command)}\n({state})\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
+        return (
+            f"$ {' '.join(self.command)}\n({state})\n"
+            f"--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
+        )
 
 
 _held = []  # the sockets that hold the ports handed out, open for the life of this test process
 
 
 def free_port(hold=True):
-    """A free port of 127.0.0.1. hold=True keeps a socket bound to it (not listening, SO_REUSEADDR) for
-    the life of this process: the OS then hands the port to no other process (bind to port 0, or the local
-    end of a connection), so nothing can take it before the launched job listens on it, seconds later
-    (torch's TCPStore sets SO_REUSEADDR too, so it can bind the port all the same). hold=False for
-    programs that do not set SO_REUSEADDR."""
+    """A free port of 127.0.0.1. hold=True keeps a socket bound to it (not listening, SO_REUSEADDR)
+    for the life of this process: the OS then hands the port to no other process (bind to port 0, or
+    the local end of a connection), so nothing can take it before the launched job listens on it,
+    seconds later (torch's TCPStore sets SO_REUSEADDR too, so it can bind the port all the same).
+    hold=False for programs that do not set SO_REUSEADDR."""
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.bind(("127.0.0.1", 0))
@@ -99,8 +102,9 @@ def lesson_env(extra=None):
 
 
 def log_launch(kind, command, wall_s, cpu_s):
-    """With TEST_LAUNCH_LOG=file, every launch of the suite appends one line there (to count them and
-    see where the suite's time goes): kind, wall seconds, CPU seconds of its processes, command."""
+    """With TEST_LAUNCH_LOG=file, every launch of the suite appends one line there (to count them
+    and see where the suite's time goes): kind, wall seconds, CPU seconds of its processes,
+    command."""
     if os.environ.get("TEST_LAUNCH_LOG"):
         with open(os.environ["TEST_LAUNCH_LOG"], "a") as f:
             f.write(f"{kind} {wall_s:.1f} {cpu_s:.1f} {' '.join(map(str, command))}\n")
@@ -130,6 +134,7 @@ def run_command(command, timeout=120, env=None, cwd=ROOT):
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         timed_out = True
+    # the CPU logged: of the processes this call waited for
     log_launch(
         "python"
         if "--nproc" in map(str, command)
@@ -139,7 +144,7 @@ def run_command(command, timeout=120, env=None, cwd=ROOT):
         command,
         time.monotonic() - start,
         _children_cpu_s() - cpu,
-    )  # CPU of the processes it waited for
+    )
     return Result([str(c) for c in command], proc.returncode, out, err, timed_out)
 
 
@@ -171,12 +176,13 @@ def run_lesson(lesson, *args, nproc=2, launcher="torchrun", timeout=120, env=Non
                 ROOT / lesson, args, nproc=nproc, env=lesson_env(env), cwd=ROOT, timeout=timeout
             )
         )
+        # the CPU logged: the ranks' (the warm launcher counts it)
         log_launch(
             "warm",
             [lesson, f"--nproc_per_node={nproc}", *args],
             time.monotonic() - start,
             warm_launcher.last_cpu_s or 0.0,
-        )  # the ranks' CPU
+        )
         return result
     if launcher == "torchrun":
         command = torchrun_command(lesson, nproc, args)
@@ -189,10 +195,11 @@ def run_lesson(lesson, *args, nproc=2, launcher="torchrun", timeout=120, env=Non
 
 def mutant(tmp_path, lesson, *changes, file=None):
     """A copy of `lesson`'s folder under tmp_path in which `file` (default: the lesson itself; else
-    a sibling such as "model.py") has each (old, new) change made; returns the copy of the lesson, to
-    hand to run_lesson. This is how the suite shows a check failing when the lesson is wrong: the
-    mistake a reader could make is written into a copy, never behind a flag in the lesson. Each `old`
-    must occur exactly once in the file, so a change to the lesson that moves the text fails here."""
+    a sibling such as "model.py") has each (old, new) change made; returns the copy of the lesson,
+    to hand to run_lesson. This is how the suite shows a check failing when the lesson is wrong: the
+    mistake a reader could make is written into a copy, never behind a flag in the lesson. Each
+    `old` must occur exactly once in the file, so a change to the lesson that moves the text fails
+    here."""
     source = ROOT / lesson
     copy = Path(tempfile.mkdtemp(dir=tmp_path)) / source.parent.name
     shutil.copytree(source.parent, copy, ignore=shutil.ignore_patterns("__pycache__", "*.md"))
@@ -212,16 +219,16 @@ def ok_lines(result):
     return [line for line in result.stdout.splitlines() if line.startswith("OK")]
 
 
-# A warning line as Python prints it: "<file>:<line>: FutureWarning: <message>". torch's deprecations of
-# distributed calls are raised inside its c10d_logger wrapper, so the file named is torch's, not the lesson's:
-# every such line fails the run, whoever's code it names.
+# A warning line as Python prints it: "<file>:<line>: FutureWarning: <message>". torch's
+# deprecations of distributed calls are raised inside its c10d_logger wrapper, so the file named is
+# torch's, not the lesson's: every such line fails the run, whoever's code it names.
 DEPRECATION = re.compile(r"^\S+:\d+: (FutureWarning|DeprecationWarning): .*$", re.M)
 
 
 def assert_ok(result, deprecated_on_purpose=None):
-    """Exit code 0, no time-out, no deprecation warning, and exactly one line starting with OK; returns
-    that line. `deprecated_on_purpose`: a regex for the one deprecation a test runs on purpose (the legacy
-    launcher's own), which must then appear; any other still fails the run."""
+    """Exit code 0, no time-out, no deprecation warning, and exactly one line starting with OK;
+    returns that line. `deprecated_on_purpose`: a regex for the one deprecation a test runs on
+    purpose (the legacy launcher's own), which must then appear; any other still fails the run."""
     assert not result.timed_out and result.returncode == 0, str(result)
     warnings = [m.group(0) for m in DEPRECATION.finditer(result.stderr)]
     if deprecated_on_purpose:

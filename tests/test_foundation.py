@@ -121,8 +121,9 @@ def rank_lines(result, pattern):
     return [int(m.group(1)) for m in re.finditer(pattern, result.stdout, re.MULTILINE)]
 
 
-# real torchrun at 2 ranks (the reader's command); the warm launcher (torchrun's environment, ranks
-# forked) at the other sizes; the lesson's own --nproc path at one rank (no process started) and at 3
+# real torchrun at 2 ranks (the reader's command); the warm launcher (torchrun's environment,
+# ranks forked) at the other sizes; the lesson's own --nproc path at one rank (no process started)
+# and at 3
 HELLO = [
     pytest.param(n, "torchrun" if n == 2 else "warm", marks=[pytest.mark.quick] * (n == 2))
     for n in (1, 2, 3, 4)
@@ -135,20 +136,18 @@ def test_hello_distributed(nproc, launcher):
     result = run_lesson("primitives/hello_distributed.py", nproc=nproc, launcher=launcher)
     ok = assert_ok(result)
     assert f"= {nproc * (nproc - 1) // 2} = n(n-1)/2" in ok
-    assert rank_lines(result, rf"^rank (\d+)/{nproc} ") == list(range(nproc)), (
-        result
-    )  # in rank order
+    # in rank order
+    assert rank_lines(result, rf"^rank (\d+)/{nproc} ") == list(range(nproc)), result
     assert f"torchrun={launcher != 'python'}" in result.stdout
 
 
-@pytest.mark.parametrize(
-    "launcher", ["warm", "python"]
-)  # dist_setup's torchrun path, and its --nproc path
+# dist_setup's torchrun path, and its --nproc path
+@pytest.mark.parametrize("launcher", ["warm", "python"])
 def test_hello_distributed_nccl_without_gpu_fails_fast_on_every_rank(launcher):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    # With an hour's collective timeout, a rank that waited instead of failing at once is a hang that the
-    # harness's time limit catches: no wall-clock bound that a loaded machine could break.
+    # With an hour's collective timeout, a rank that waited instead of failing at once is a hang
+    # that the harness's time limit catches: no wall-clock bound that a loaded machine could break.
     result = run_lesson(
         "primitives/hello_distributed.py",
         "--backend",
@@ -170,8 +169,8 @@ def test_hello_distributed_nccl_without_gpu_fails_fast_on_every_rank(launcher):
     "method", [pytest.param("env", marks=pytest.mark.quick), "tcp", "file", "store"]
 )
 def test_init_methods(method, tmp_path):
-    # real torchrun for env:// (the reader's command), the warm launcher for the others; the file lives in
-    # tmp_path, so a stale one can never meet a later run
+    # real torchrun for env:// (the reader's command), the warm launcher for the others; the file
+    # lives in tmp_path, so a stale one can never meet a later run
     launcher = "torchrun" if method == "env" else "warm"
     extra = ["--file", tmp_path / "store_file"] if method == "file" else []
     result = run_lesson(
@@ -185,8 +184,9 @@ def test_init_methods(method, tmp_path):
 def test_init_by_file_twice_in_a_row_reuses_nothing(tmp_path):
     path = tmp_path / "store_file"
     for _ in range(2):  # the same file name twice: works only if the first run removed it
-        # the lesson removes the file itself while its group is up (torch's own cleanup, in ~FileStore at
-        # interpreter exit, is racy: see init_methods.py), so forked ranks that skip that teardown show it too
+        # the lesson removes the file itself while its group is up (torch's own cleanup, in
+        # ~FileStore at interpreter exit, is racy: see init_methods.py), so forked ranks that skip
+        # that teardown show it too
         assert_ok(
             run_lesson(
                 "primitives/init_methods.py",
@@ -222,6 +222,7 @@ FIXTURE = "tests/fixtures/skip_collective.py"
 def test_backend_nccl_without_gpu_is_one_line_per_rank(launcher):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
+    # failing at once, not by waiting (see above)
     result = run_lesson(
         FIXTURE,
         "--mode",
@@ -233,7 +234,7 @@ def test_backend_nccl_without_gpu_is_one_line_per_rank(launcher):
         nproc=3,
         launcher=launcher,
         timeout=240,
-    )  # failing at once, not by waiting (see above)
+    )
     assert_fails(
         result, "error: --backend nccl needs a cuda device and this machine has none", within=3
     )
@@ -247,7 +248,8 @@ def test_too_few_ranks_is_one_line(launcher):
 
 
 def test_a_missing_rank_is_a_timeout_not_a_hang():
-    # --timeout 3 must win over DIST_TIMEOUT=3600: if it did not, the run would hang past the harness's limit
+    # --timeout 3 must win over DIST_TIMEOUT=3600: if it did not, the run would hang past the
+    # harness's limit
     result = run_lesson(
         FIXTURE,
         "--mode",
@@ -272,7 +274,7 @@ def test_port_in_use_is_one_line():
     assert_fails(result, f"error: port {port} on 127.0.0.1 is in use")
 
 
-# --- output paths: a directory a lesson cannot write to is one line on every rank, before any work ---------
+# --- output paths: a directory a lesson cannot write to is one line on every rank, before any work
 
 UNWRITABLE = {  # lesson -> how it is told where to write ({} is the unwritable path)
     "ddp_basics/ddp_checkpoint.py": ["--out", "{}"],
@@ -287,9 +289,8 @@ UNWRITABLE = {  # lesson -> how it is told where to write ({} is the unwritable 
 @pytest.mark.parametrize("lesson", UNWRITABLE)
 def test_an_unwritable_output_path_is_one_line(lesson, tmp_path):
     blocker = tmp_path / "a_file"
-    blocker.write_text(
-        ""
-    )  # a directory below a file can never be made, even by root (unlike a chmod)
+    # a directory below a file can never be made, even by root (unlike a chmod)
+    blocker.write_text("")
     args = [a.format(blocker / "out") for a in UNWRITABLE[lesson]]
     result = run_lesson(lesson, *args, nproc=2, launcher="warm", timeout=120)
     assert_fails(

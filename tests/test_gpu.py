@@ -84,9 +84,11 @@ LESSONS = {
     "ddp_basics/syncbatchnorm.py": ANY,
     "ddp_basics/dataparallel_vs_ddp.py": dict(min_ranks=1, gloo_cuda=True, divides=96),
     "ddp_basics/benchmark_ddp.py": dict(min_ranks=1, gloo_cuda=True, divides=192),
-    "ddp_basics/distributed_eval.py": ANY,  # any N: 100 samples pad at 3, 6, 7 and 8 GPUs, which it checks
+    # any N: 100 samples pad at 3, 6, 7 and 8 GPUs, which it checks
+    "ddp_basics/distributed_eval.py": ANY,
     "ddp_basics/ddp_overlap.py": ANY,  # any N: each rank trains on its own slice of generated data
-    "fsdp_basics/zero_by_hand.py": BATCH48,  # N must divide --batch (48) since it reduce_scatters the batch
+    # N must divide --batch (48) since it reduce_scatters the batch
+    "fsdp_basics/zero_by_hand.py": BATCH48,
     "fsdp_basics/fsdp_minimal.py": BATCH48,
     "fsdp_basics/fsdp_mixed_precision.py": BATCH48,
     "fsdp_basics/fsdp_memory.py": ANY,
@@ -111,7 +113,8 @@ LESSONS = {
         min_ranks=1, gloo_cuda=True, divides=8
     ),  # --heads 8 (and --seq 48)
     "transformer_basics/expert_parallel.py": dict(min_ranks=1, gloo_cuda=True, divides=8),
-    "transformer_basics/train_moe.py": ANY,  # any N: --ep defaults to 2 on an even world size, else 1
+    # any N: --ep defaults to 2 on an even world size, else 1
+    "transformer_basics/train_moe.py": ANY,
     "transformer_basics/train_cp.py": dict(
         min_ranks=1, gloo_cuda=False, divides=24
     ),  # 2cp divides --block-size 96
@@ -119,9 +122,9 @@ LESSONS = {
         min_ranks=1, gloo_cuda=True
     ),  # inductor on CUDA (not run here: no GPU)
 }
-# Not here, with the reason: primitives/weight_sync_two_jobs.py runs as two jobs (test_weight_sync_two_jobs
-# below); launch/spawn_template.py is a CPU/Gloo template that starts its own
-# processes (no device choice); the shell scripts (multinode_local.sh, netns_two_hosts.sh,
+# Not here, with the reason: primitives/weight_sync_two_jobs.py runs as two jobs
+# (test_weight_sync_two_jobs below); launch/spawn_template.py is a CPU/Gloo template that starts its
+# own processes (no device choice); the shell scripts (multinode_local.sh, netns_two_hosts.sh,
 # slurm.sbatch) launch the lessons above in other ways and are covered by the CPU suite.
 
 
@@ -214,8 +217,9 @@ def test_lesson_on_gloo_with_cuda_tensors(gloo_case):
 
 
 def test_weight_sync_two_jobs(request):
-    """The trainer job on GPU 0 (or GPUs 0 and 1, FSDP) and the inference job on the others, over NCCL, each
-    job seeing only its own GPUs, as the lesson tells; on a 1-GPU machine both jobs share it through Gloo."""
+    """The trainer job on GPU 0 (or GPUs 0 and 1, FSDP) and the inference job on the others, over
+    NCCL, each job seeing only its own GPUs, as the lesson tells; on a 1-GPU machine both jobs share
+    it through Gloo."""
     reason = gpu_mode_reason(request.config)
     if reason:
         pytest.skip(reason)

@@ -44,16 +44,16 @@ def test_print_env_torchrun_one_node_three_ranks(print_env_3):
 
 
 def test_print_env_spawned_has_no_torchrun_variables():
-    """`python launch/print_env.py --nproc 2`, as its docstring shows: the ranks come from mp.spawn."""
+    """`python launch/print_env.py --nproc 2`, as its docstring shows: the ranks come from
+    mp.spawn."""
     result = run_lesson("launch/print_env.py", nproc=2, launcher="python", timeout=TIMEOUT)
     ok = assert_ok(result)
     assert ok.startswith("OK: 2 rank(s)") and "via torchrun" not in ok, ok
 
 
 def test_print_env_check_catches_an_inconsistent_launch():
-    from launch.print_env import (
-        check,
-    )  # the lesson's own checks, fed environments that do not add up
+    # the lesson's own checks, fed environments that do not add up
+    from launch.print_env import check
 
     good = [
         dict(
@@ -72,9 +72,8 @@ def test_print_env_check_catches_an_inconsistent_launch():
     swapped = [dict(v) for v in good]
     swapped[2]["GROUP_RANK"], swapped[0]["GROUP_RANK"] = "0", "1"  # node ranks mixed up
     assert any("RANK != GROUP_RANK" in p for p in check(swapped, 4))
-    split = [
-        dict(v, MASTER_PORT="29501") if int(v["RANK"]) >= 2 else v for v in good
-    ]  # two jobs, not one
+    # two jobs, not one
+    split = [dict(v, MASTER_PORT="29501") if int(v["RANK"]) >= 2 else v for v in good]
     assert any("disagree on MASTER_PORT" in p for p in check(split, 4))
     assert any("but the process group has 3" in p for p in check(good[:3], 3))
 
@@ -125,11 +124,13 @@ def test_two_loopback_nodes_static_rendezvous():
     ok = assert_ok_line_of_node(result)
     assert "OK: 4 rank(s) on 2 node(s) via torchrun" in ok, ok
     for r in range(4):  # --node_rank fixed each node's block of ranks
-        line = f"[node0] [rank {r}] RANK={r} LOCAL_RANK={r % 2} GROUP_RANK={r // 2} ROLE_RANK={r} LOCAL_WORLD_SIZE=2 "
+        line = (
+            f"[node0] [rank {r}] RANK={r} LOCAL_RANK={r % 2} GROUP_RANK={r // 2} ROLE_RANK={r} "
+            "LOCAL_WORLD_SIZE=2 "
+        )
         assert line in result.stdout, result.stdout
-    assert f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port} " in result.stdout, (
-        result.stdout
-    )  # node 0's store
+    # node 0's store
+    assert f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port} " in result.stdout, result.stdout
 
 
 def assert_ok_line_of_node(result):
@@ -144,9 +145,8 @@ def test_two_loopback_nodes_c10d_rendezvous_trains():
         "c10d", "ddp_basics/manual_data_parallel.py", "--epochs", "1", nproc_per_node=1
     )
     assert f"2 nodes x 1 rank(s), c10d rendezvous on 127.0.0.1:{port}" in result.stdout, str(result)
-    assert re.search(r"\[node[01]\] \[setup\] 2 rank\(s\)", result.stdout), (
-        result.stdout
-    )  # one job of 2
+    # one job of 2
+    assert re.search(r"\[node[01]\] \[setup\] 2 rank\(s\)", result.stdout), result.stdout
     ok = assert_ok_line_of_node(result)
     assert (
         "OK: 2 ranks, 1 epochs, all_reduce SUM then /N of the gradients matches single-process"
@@ -167,7 +167,8 @@ def test_multinode_script_refuses_a_missing_lesson():
 FAKE_HOST_TOOLS = {
     # What netns_two_hosts.sh needs from the system, faked: root, iproute2, unshare and torchrun.
     "id": "echo 0",
-    "ip": '[ "$1 $2" = "netns exec" ] && { shift 3; exec "$@"; }; exit 0',  # run the command "in" the namespace
+    # run the command "in" the namespace
+    "ip": '[ "$1 $2" = "netns exec" ] && { shift 3; exec "$@"; }; exit 0',
     "unshare": 'while [ "${1#--}" != "$1" ]; do shift; done; exec "$@"',
     "hostname": "exit 0",
     # Node 0 prints a line; node 1 prints only torchrun's notice, which the script filters out.
@@ -396,15 +397,18 @@ def test_elastic_membership_change_a_node_joins(tmp_path):
     """Agent A runs alone (1 rank); agent B joins mid-run: both restart as one job of 2 ranks."""
     port, run_id = free_port(), uuid.uuid4().hex[:8]
     args = ["--steps", "60", "--step-time", "0.2", "--ckpt-dir", tmp_path]
-    start = lambda: subprocess.Popen(
-        [str(c) for c in elastic_command(port, run_id, *args, nproc=1)],
-        cwd=ROOT,
-        env=lesson_env(SHARED_STORE_OFF),
-        text=True,
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+
+    def start():
+        return subprocess.Popen(
+            [str(c) for c in elastic_command(port, run_id, *args, nproc=1)],
+            cwd=ROOT,
+            env=lesson_env(SHARED_STORE_OFF),
+            text=True,
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+
     agents = [start()]
     try:
         deadline = time.monotonic() + TIMEOUT
@@ -423,7 +427,6 @@ def test_elastic_membership_change_a_node_joins(tmp_path):
     ok = [line for out in outputs for line in out.splitlines() if line.startswith("OK")]
     assert len(ok) == 1, "\n".join(outputs)
     grew = re.search(r"2 attempt\(s\): 1 ranks from step 0 -> 2 ranks from step (\d+)$", ok[0])
-    assert grew and 0 < int(grew.group(1)) < 60, ok[
-        0
-    ]  # grew mid-run and went on from the checkpoint
+    # grew mid-run and went on from the checkpoint
+    assert grew and 0 < int(grew.group(1)) < 60, ok[0]
     assert f"final state {serial_state(60)} equals" in ok[0], ok[0]

@@ -245,7 +245,29 @@ TRANSFORMER_BASICS = [
 
 
 # -------------------------------------------------------------------------------------- launch/
-LAUNCH = []
+LAUNCH = [
+    Mutation(
+        "legacy_launch-all_reduce-left-out",
+        "launch/legacy_launch.py",
+        [("dist.all_reduce(total)", "pass")],
+        "all_reduce gave",
+        quick=True,
+    ),
+    Mutation(  # each rank folds in only its own share of the batch: a partial sum
+        "elastic-step-sum-not-all_reduced",
+        "launch/elastic.py",
+        [("dist.all_reduce(total)", "pass")],
+        "differs from the serial computation",
+        launcher="python",  # the warm launcher shares its store: elastic.py refuses it
+    ),
+    Mutation(
+        "spawn_template-all_reduce-left-out",
+        "launch/spawn_template.py",
+        [("dist.all_reduce(total)", "pass")],
+        ", expected 3",
+        launcher="python",  # it starts its ranks itself (--nproc)
+    ),
+]
 
 
 MUTATIONS = PRIMITIVES + DDP_BASICS + FSDP_BASICS + TRANSFORMER_BASICS + LAUNCH

@@ -7,10 +7,10 @@
   `bash launch/*.sh` or `sbatch launch/slurm.sbatch`) parses with that lesson's own flags, and the
   launcher's options with the launcher's parser.
 
-Parsing runs nothing: the checker replaces launch/dist_setup.run, from outside, with a stand-in that
-prints the parsed flags and exits 0 before a rank starts (the lessons hold no hook for it); an unknown
-or malformed flag makes argparse exit 2. The few lessons that do not go through dist_setup.run (they
-set up by hand) stop right after parse_args.
+Parsing runs nothing: the checker replaces launch/dist_setup.run, from outside, with a stand-in
+that prints the parsed flags and exits 0 before a rank starts (the lessons hold no hook for it); an
+unknown or malformed flag makes argparse exit 2. The few lessons that do not go through
+dist_setup.run (they set up by hand) stop right after parse_args.
 Every command of one lesson is checked in one process (each start imports torch), so a failure
 names the README, the line and the command.
 """
@@ -33,9 +33,8 @@ READMES = sorted(
     for p in ROOT.rglob("README.md")
     if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)
 )
-PLACEHOLDER = re.compile(
-    r"(^|/)(lesson|LESSON)\.py$"
-)  # `torchrun ... LESSON.py`: any lesson, not one
+# `torchrun ... LESSON.py`: any lesson, not one
+PLACEHOLDER = re.compile(r"(^|/)(lesson|LESSON)\.py$")
 LINK = re.compile(r"\[([^\]]*)\]\(([^)\s]+)\)")
 
 
@@ -48,7 +47,8 @@ def rel(path):
 
 
 def slug(heading):
-    """The anchor GitHub gives a heading: link text only, lower case, punctuation dropped, spaces to -."""
+    """The anchor GitHub gives a heading: link text only, lower case, punctuation dropped, spaces
+    to -."""
     text = LINK.sub(r"\1", heading).strip().lower()
     text = re.sub(r"[^\w\- ]", "", text)
     return text.replace(" ", "-")
@@ -93,7 +93,8 @@ def link_problem(readme, target):
 
 
 def table_rows(readme):
-    """(line number, first cell, row) for each data row of a table whose first column is lesson/file."""
+    """(line number, first cell, row) for each data row of a table whose first column is lesson or
+    file."""
     lines = readme.read_text().splitlines()
     lesson_table = False
     for i, line in enumerate(lines):
@@ -191,10 +192,7 @@ def parse_segment(tokens):
             launcher, rest = tokens[2], tokens[3:]
         elif len(tokens) > 1 and tokens[1].endswith(".py"):
             rest = tokens[1:]
-    elif tokens[0] in (
-        "bash",
-        "sbatch",
-    ):  # launch/*.sh and slurm.sbatch: the lesson is their argument
+    elif tokens[0] in ("bash", "sbatch"):  # launch/*.sh, slurm.sbatch: the lesson is an argument
         rest = [t for t in tokens[1:] if not t.startswith("launch/")]
     if rest is None:
         return []
@@ -232,8 +230,9 @@ def readme_commands():
     return found
 
 
-# Runs every command in one Python, lesson after lesson: torch is imported once, and the repository's
-# own modules are dropped between lessons (two folders have a toy.py), so each lesson imports afresh.
+# Runs every command in one Python, lesson after lesson: torch is imported once, and the
+# repository's own modules are dropped between lessons (two folders have a toy.py), so each lesson
+# imports afresh.
 CHECKER = r"""
 import argparse, contextlib, importlib, io, json, os, runpy, sys
 root = os.getcwd()
@@ -269,9 +268,11 @@ for job in jobs:
             sys.argv = [job["lesson"], *job["args"]]
             sys.path[0] = os.path.dirname(os.path.abspath(job["lesson"]))
             runpy.run_path(job["lesson"], run_name="__main__")
-            code = "ran to the end without stopping after its flags (dist_setup.run was not reached)"
+            code = ("ran to the end without stopping after its flags "
+                    "(dist_setup.run was not reached)")
     except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else str(stop.code))
+        code = (stop.code if isinstance(stop.code, int)
+                else 0 if stop.code is None else str(stop.code))
     except BaseException as error:
         code = f"{type(error).__name__}: {error}"
     finally:
@@ -291,7 +292,8 @@ def uses_dist_setup_run(lesson):
 
 
 def check_commands(commands):
-    """Sets each command's "result": code 0 if it parses, else the exit code or error, and the output."""
+    """Sets each command's "result": code 0 if it parses, else the exit code or error, and the
+    output."""
     jobs = []
     for c in sorted(commands, key=lambda c: c["lesson"]):
         if (ROOT / c["lesson"]).is_file():
@@ -347,11 +349,13 @@ def test_readme_command_parses(index, checked):
 
 
 def test_the_check_catches_a_bad_flag_a_missing_lesson_and_a_bad_link(tmp_path):
-    """The checks above can fail: a README with a broken command, a missing lesson and a dead link."""
+    """The checks above can fail: a README with a broken command, a missing lesson and a dead
+    link."""
     readme = tmp_path / "README.md"
     readme.write_text(
         "# Title\n\n| lesson | run |\n|---|---|\n| broadcast.py | `torchrun --nproc_per_node=2 "
-        "primitives/broadcast.py --no-such-flag` |\n\n```bash\npython primitives/broadcast.py --src two\n"
+        "primitives/broadcast.py --no-such-flag` |\n\n"
+        "```bash\npython primitives/broadcast.py --src two\n"
         "torchrun --nproc_per_nodes=2 primitives/broadcast.py\npython primitives/no_such.py\n```\n"
         "[a](primitives/broadcast.py) [b](no_such.md) [c](#title) [d](#no-such-heading)\n"
     )

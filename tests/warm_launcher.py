@@ -2,8 +2,10 @@
 the ~1.5 s `import torch` of every rank: a warm server process imports torch once, and each run's
 ranks are forked from it.
 
-    from warm_launcher import run            # tests/harness.run_lesson(..., launcher="warm") calls this
-    command, returncode, stdout, stderr, timed_out, rank_codes = run(script, args, nproc, env, cwd, timeout)
+    from warm_launcher import run    # tests/harness.run_lesson(..., launcher="warm") calls this
+    command, returncode, stdout, stderr, timed_out, rank_codes = run(
+        script, args, nproc, env, cwd, timeout
+    )
 
     python tests/warm_launcher.py --nproc_per_node=3 primitives/broadcast.py   # the same, by hand
 
@@ -14,51 +16,53 @@ Processes of one run (the test's pytest process is the client):
            |- rank 0 ... rank N-1   (fork; environment as torchrun gives it; lesson run as __main__)
            `- hosts the "agent" TCPStore on MASTER_PORT, as torchrun's agent does
 
-- Start: the client sends the request (script, args, nproc, env, cwd) over a Unix socket together with
-  three file descriptors: the write ends of its stdout and stderr pipes and one end of a per-run
-  socket. The server forks a supervisor, which binds MASTER_PORT (port 0: no free-port race), forks
-  the ranks, then serves the TCPStore on that already-listening socket (ranks that connect earlier wait
-  in the listen backlog) and reports {"pid", "port"} on the run socket.
-- Each rank: the environment torchrun 2.13 gives a worker (RANK, LOCAL_RANK, GROUP_RANK, ROLE_RANK,
-  ROLE_NAME, *_WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID=none, TORCHELASTIC_USE_AGENT_STORE=True,
-  TORCHELASTIC_RESTART_COUNT/MAX_RESTARTS/ERROR_FILE/SIGNALS_TO_HANDLE, TORCH_NCCL_ASYNC_ERROR_HANDLING,
-  OMP_NUM_THREADS=1 when N > 1 and not set), sys.argv = [script, *args], sys.path[0] = the script's
-  folder, cwd as asked; then runpy.run_path(script, run_name="__main__") and an exit like the
-  interpreter's (SystemExit codes, traceback and code 1 on an exception, non-daemon threads joined,
-  atexit handlers run, streams flushed), then os._exit: objects still alive are not finalised (a
-  FileStore left referenced does not remove its file: keep real torchrun for tests of that).
+- Start: the client sends the request (script, args, nproc, env, cwd) over a Unix socket together
+  with three file descriptors: the write ends of its stdout and stderr pipes and one end of a
+  per-run socket. The server forks a supervisor, which binds MASTER_PORT (port 0: no free-port
+  race), forks the ranks, then serves the TCPStore on that already-listening socket (ranks that
+  connect earlier wait in the listen backlog) and reports {"pid", "port"} on the run socket.
+- Each rank: the environment torchrun 2.13 gives a worker (RANK, LOCAL_RANK, GROUP_RANK,
+  ROLE_RANK, ROLE_NAME, *_WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID=none,
+  TORCHELASTIC_USE_AGENT_STORE=True, TORCHELASTIC_RESTART_COUNT/MAX_RESTARTS/ERROR_FILE/
+  SIGNALS_TO_HANDLE, TORCH_NCCL_ASYNC_ERROR_HANDLING, OMP_NUM_THREADS=1 when N > 1 and not set),
+  sys.argv = [script, *args], sys.path[0] = the script's folder, cwd as asked; then
+  runpy.run_path(script, run_name="__main__") and an exit like the interpreter's (SystemExit
+  codes, traceback and code 1 on an exception, non-daemon threads joined, atexit handlers run,
+  streams flushed), then os._exit: objects still alive are not finalised (a FileStore left
+  referenced does not remove its file: keep real torchrun for tests of that).
 - Output: every rank writes straight into the client's two pipes (fd 1 and 2), as torchrun's workers
-  write into torchrun's stdout/stderr: lines of different ranks interleave, nothing is lost or buffered
-  by the launcher.
+  write into torchrun's stdout/stderr: lines of different ranks interleave, nothing is lost or
+  buffered by the launcher.
 - Failures: like torchrun, the supervisor waits for every rank; the first rank that exits non-zero
-  (or dies of a signal) makes it send SIGTERM to the others and SIGKILL after GRACE_S seconds. It then
-  writes one summary line to stderr and reports every rank's exit code; the run's return code is 0
-  when all ranks exited 0, else 1 (torchrun's code for a failed worker).
+  (or dies of a signal) makes it send SIGTERM to the others and SIGKILL after GRACE_S seconds. It
+  then writes one summary line to stderr and reports every rank's exit code; the run's return code
+  is 0 when all ranks exited 0, else 1 (torchrun's code for a failed worker).
 - Time-outs: the client owns the clock. At the deadline it kills the run's whole process group
   (supervisor, ranks and anything they started) with SIGKILL. After a normal end it kills the group
   too, while the supervisor still waits for the client (so the group id cannot have been reused), so
-  no process of a run outlives it. If the client dies, the supervisor sees its socket close and kills
-  the group; the server exits when its control socket closes.
+  no process of a run outlives it. If the client dies, the supervisor sees its socket close and
+  kills the group; the server exits when its control socket closes.
 
 Fork safety: forking a process that has threads copies only the forking thread, and locks held by
-the others stay locked forever in the child. `import torch` (+ numpy with OMP_NUM_THREADS=1) starts no
-thread, so the SERVER MUST NEVER start one: it computes nothing with torch, creates no store, sets no
-torch thread settings (each rank sets its own, as launch/dist_setup.py does) and checks
+the others stay locked forever in the child. `import torch` (+ numpy with OMP_NUM_THREADS=1) starts
+no thread, so the SERVER MUST NEVER start one: it computes nothing with torch, creates no store,
+sets no torch thread settings (each rank sets its own, as launch/dist_setup.py does) and checks
 /proc/self/task before every fork (it refuses the run otherwise). The supervisor starts threads (the
 TCPStore server) only after it has forked all its ranks.
 
-What differs from real torchrun (keep real torchrun for tests that depend on it, and for each lesson's
-reader-facing run):
-- No agent: no --max-restarts / --standalone / rendezvous back-ends, no elastic restarts, no torchrun
-  output (its "ChildFailedError" report with one Traceback: warm prints one summary line instead),
-  GRACE_S is 5 s where torchrun waits 30 s; one node only.
-- Each torchrun worker is its own session and process group (SIGTERM goes to the group); here all the
-  ranks of a run share the supervisor's group, and their parent is the supervisor.
+What differs from real torchrun (keep real torchrun for tests that depend on it, and for each
+lesson's reader-facing run):
+- No agent: no --max-restarts / --standalone / rendezvous back-ends, no elastic restarts, no
+  torchrun output (its "ChildFailedError" report with one Traceback: warm prints one summary line
+  instead), GRACE_S is 5 s where torchrun waits 30 s; one node only.
+- Each torchrun worker is its own session and process group (SIGTERM goes to the group); here all
+  the ranks of a run share the supervisor's group, and their parent is the supervisor.
 - All ranks of all runs of a server share one str hash seed (PYTHONHASHSEED): a bug that needs ranks
   to iterate a set in different orders shows under torchrun, not here.
-- Variables read at process start (STARTUP_VARS: PYTHON*, OMP_*, TORCH_*, ...) work, but each distinct
-  set costs a server start; OMP_NUM_THREADS=1 is in the server even for one rank (dist_setup sets the
-  rank's torch threads anyway); stdin is /dev/null; `ps` shows ranks as `warm_launcher.py --serve`.
+- Variables read at process start (STARTUP_VARS: PYTHON*, OMP_*, TORCH_*, ...) work, but each
+  distinct set costs a server start; OMP_NUM_THREADS=1 is in the server even for one rank
+  (dist_setup sets the rank's torch threads anyway); stdin is /dev/null; `ps` shows ranks as
+  `warm_launcher.py --serve`.
 - The PRELOAD modules are already imported: a lesson's own start-up time is not what a reader sees.
 - On a GPU machine the server must not touch CUDA before forking (it does not: import only); not
   tried on GPUs here.
@@ -76,8 +80,8 @@ import threading
 import time
 
 GRACE_S = 5  # SIGTERM -> SIGKILL, as torchrun does when one worker fails (it waits up to 30 s)
-# What the lessons import that costs time (fsdp and pipelining pull in torch._dynamo: ~1 s each on an idle
-# core). None of these starts a thread at import (serve() checks that before every fork).
+# What the lessons import that costs time (fsdp and pipelining pull in torch._dynamo: ~1 s each on
+# an idle core). None of these starts a thread at import (serve() checks that before every fork).
 PRELOAD = [
     "torch",
     "torch.distributed",
@@ -91,8 +95,8 @@ PRELOAD = [
     "torch.distributed.checkpoint",
     "torch.distributed.pipelining",
 ]
-# Read once when a process (or torch/numpy/OpenMP/OpenBLAS) starts, so a forked rank cannot change them
-# by setting os.environ: runs whose values differ get a server of their own.
+# Read once when a process (or torch/numpy/OpenMP/OpenBLAS) starts, so a forked rank cannot change
+# them by setting os.environ: runs whose values differ get a server of their own.
 STARTUP_VARS = (
     "PYTHON",
     "LD_",
@@ -110,7 +114,7 @@ STARTUP_VARS = (
 MAX_SERVERS = 3
 
 
-# ---------------------------------------------------------------------------------------------- server
+# ------------------------------------------------------------------------------------------ server
 
 
 def _threads():
@@ -164,7 +168,7 @@ def serve(control_fd):
         os.close(fds[1])
 
 
-# ------------------------------------------------------------------------------------------ supervisor
+# -------------------------------------------------------------------------------------- supervisor
 
 
 def _rank_env(request, rank, port, error_dir):
@@ -172,9 +176,8 @@ def _rank_env(request, rank, port, error_dir):
     env = dict(request["env"])
     for key in [k for k in env if k.startswith("TORCHELASTIC_")]:
         del env[key]
-    if (
-        nproc > 1
-    ):  # torch/distributed/run.py: set to 1 "in default" when several workers share a node
+    # torch/distributed/run.py: set to 1 "in default" when several workers share a node
+    if nproc > 1:
         env.setdefault("OMP_NUM_THREADS", "1")
     env.update(
         RANK=str(rank),
@@ -226,12 +229,13 @@ def _supervise(request, out_fd, err_fd, run_socket):
         pids[pid] = rank
     _send(run_socket, pid=os.getpid(), port=port, ranks=sorted(pids, key=pids.get))
     # All ranks are forked: threads are allowed from here on. torchrun's agent hosts this store
-    # (torch/distributed/elastic/rendezvous/static_tcp_rendezvous.py) and its workers connect as clients.
+    # (torch/distributed/elastic/rendezvous/static_tcp_rendezvous.py) and its workers connect as
+    # clients.
     import datetime
     import torch.distributed as dist
 
-    try:
-        store = dist.TCPStore(
+    try:  # the name keeps the store (and its server) alive while the ranks run
+        store = dist.TCPStore(  # noqa: F841
             "127.0.0.1",
             port,
             1,
@@ -244,12 +248,11 @@ def _supervise(request, out_fd, err_fd, run_socket):
         os.write(2, f"warm_launcher: cannot host the store on port {port}: {error}\n".encode())
     codes, failed = _wait_for_ranks(pids, run_socket)
     if failed is not None:
+        by_rank = [codes[r] for r in range(len(codes))]
         os.write(
             2,
-            (
-                f"warm_launcher: rank {failed} failed first (exit code {codes[failed]}); the others were "
-                f"stopped; exit codes by rank: {[codes[r] for r in range(len(codes))]}\n"
-            ).encode(),
+            f"warm_launcher: rank {failed} failed first (exit code {codes[failed]}); the others "
+            f"were stopped; exit codes by rank: {by_rank}\n".encode(),
         )
     import shutil
 
@@ -266,14 +269,14 @@ def _supervise(request, out_fd, err_fd, run_socket):
         failed=failed,
         cpu_s=round(usage.ru_utime + usage.ru_stime, 3),
     )
-    run_socket.recv(
-        1
-    )  # wait until the client has killed our group (or gone): keeps the group id ours
+    # wait until the client has killed our group (or gone): keeps the group id ours
+    run_socket.recv(1)
     os._exit(0)
 
 
 def _wait_for_ranks(pids, run_socket):
-    """Wait for every rank like torchrun: the first failure stops the others. Returns (codes, failed)."""
+    """Wait for every rank like torchrun: the first failure stops the others.
+    Returns (codes, failed)."""
     poller = select.poll()
     by_fd = {}
     for pid in pids:
@@ -310,7 +313,7 @@ def _signal(pids, sig):
             pass
 
 
-# ------------------------------------------------------------------------------------------------ rank
+# -------------------------------------------------------------------------------------------- rank
 
 
 def _rank_main(request, env):
@@ -322,15 +325,14 @@ def _rank_main(request, env):
     sys.argv = [script, *request["args"]]
     sys.orig_argv = [sys.executable, "-u", script, *request["args"]]  # torchrun starts `python -u`
     sys.path[0] = os.path.dirname(os.path.realpath(script))
-    if (
-        "numpy" in sys.modules
-    ):  # a fresh process seeds numpy's global generator from the OS; do so too
+    # a fresh process seeds numpy's global generator from the OS; do so too
+    if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
     if not os.path.isfile(script):  # what `python missing.py` prints
-        os.write(
-            2,
-            f"{sys.executable}: can't open file {script!r}: [Errno 2] No such file or directory\n".encode(),
+        message = (
+            f"{sys.executable}: can't open file {script!r}: [Errno 2] No such file or directory"
         )
+        os.write(2, f"{message}\n".encode())
         os._exit(2)
     code = 0
     try:
@@ -347,7 +349,8 @@ def _rank_main(request, env):
         error.__traceback__ = tb or error.__traceback__  # what the default excepthook prints
         sys.excepthook(type(error), error, error.__traceback__)
     try:
-        threading._shutdown()  # what the interpreter does at exit: join non-daemon threads, run atexit
+        # what the interpreter does at exit: join non-daemon threads, run atexit
+        threading._shutdown()
         import atexit as atexit_
 
         atexit_._run_exitfuncs()
@@ -366,7 +369,7 @@ def _exit_code(code):
     return 1
 
 
-# ---------------------------------------------------------------------------------------------- client
+# ------------------------------------------------------------------------------------------ client
 
 
 class ServerGone(Exception):
@@ -379,9 +382,8 @@ class Server:
     def __init__(self, env, cwd, start_timeout=300):
         self.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         server_env = dict(env)
-        server_env.setdefault(
-            "OMP_NUM_THREADS", "1"
-        )  # else numpy's OpenBLAS starts threads at import
+        # else numpy's OpenBLAS starts threads at import
+        server_env.setdefault("OMP_NUM_THREADS", "1")
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--serve", str(theirs.fileno())],
             env=server_env,
@@ -463,7 +465,7 @@ class Server:
                     os.killpg(group, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
-            # after the kill the write ends close; a process that left our group could keep them open
+            # after the kill the write ends close; one that left our group could keep them open
             for fd in (out_r, err_r):
                 end = time.monotonic() + 5
                 while fd in open_fds and time.monotonic() < end:
@@ -504,7 +506,7 @@ class Server:
 
 
 def _text(chunks):
-    """What subprocess.Popen(text=True).communicate() makes of bytes: decoded, universal newlines."""
+    """What Popen(text=True).communicate() makes of bytes: decoded, universal newlines."""
     return b"".join(chunks).decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")
 
 
@@ -544,13 +546,11 @@ def run(script, args=(), nproc=2, env=None, cwd=None, timeout=120):
                     _servers.pop(next(iter(_servers))).close()
                 started = time.monotonic()
                 server = Server(env, cwd)
-                if os.environ.get(
-                    "TEST_LAUNCH_LOG"
-                ):  # to count server starts (each imports PRELOAD)
+                # to count server starts (each imports PRELOAD)
+                if os.environ.get("TEST_LAUNCH_LOG"):
+                    settings = " ".join(f"{k}={v}" for k, v in key)
                     with open(os.environ["TEST_LAUNCH_LOG"], "a") as f:
-                        f.write(
-                            f"warm-server {time.monotonic() - started:.1f} 0.0 {' '.join(f'{k}={v}' for k, v in key)}\n"
-                        )
+                        f.write(f"warm-server {time.monotonic() - started:.1f} 0.0 {settings}\n")
             _servers[key] = server  # most recently used last
             try:
                 port, *result = server.run(script, args, nproc, env, cwd, timeout)

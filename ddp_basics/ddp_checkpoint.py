@@ -180,7 +180,8 @@ def require_checkpoint_fits(path, args, ctx):
     ctx.require(isinstance(ckpt, dict), f"{path} is not a checkpoint: torch.load fails ({ckpt})")
     missing = [key for key in KEYS if key not in ckpt]
     ctx.require(not missing, f"{path} is not a ddp_checkpoint.py checkpoint: it has no {missing}")
-    want = {k: tuple(v.shape) for k, v in MLP(args.width).state_dict().items()}
+    with torch.device("meta"):  # only the shapes are read
+        want = {k: tuple(v.shape) for k, v in MLP(args.width).state_dict().items()}
     got = {k: tuple(v.shape) for k, v in ckpt["model"].items()}
     differ = sorted(k for k in want | got if got.get(k) != want.get(k))
     shapes = "; ".join(f"{k} {got.get(k)}, here {want.get(k)}" for k in differ[:2])

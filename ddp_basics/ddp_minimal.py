@@ -87,10 +87,12 @@ def show_eval_hang(args, ctx):
     short = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.hang_timeout))
     if ctx.rank == 0:
         test_x, test_y = make_data(args.test, seed=1)
+        model = MLP(args.width).to("cpu")  # on the CPU: the Gloo group takes CPU tensors
         with torch.no_grad():
-            correct = (MLP(args.width)(test_x).argmax(1) == test_y).sum().item()
+            correct = (model(test_x).argmax(1) == test_y).sum().item()
+        sums = torch.tensor([correct, len(test_y)], dtype=torch.float64, device="cpu")
         try:
-            dist.all_reduce(torch.tensor([correct, len(test_y)], dtype=torch.float64), group=short)
+            dist.all_reduce(sums, group=short)
             print0("evaluation on rank 0 only: 1 rank, so nobody was missing")
         except RuntimeError:
             print0(

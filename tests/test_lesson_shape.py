@@ -29,7 +29,10 @@ SETUP_LINE = (
 ABOVE_DIVIDER = 80
 MAX_LINES = 250
 # lesson: (lines allowed above the divider, why this lesson cannot be one screen)
-LONGER = {}
+LONGER = {
+    "ddp_basics/ddp_checkpoint.py": (160, "save, load and the resumable job that uses them"),
+    "ddp_basics/ddp_overlap.py": (110, "timing hooks on autograd and on DDP's buckets: the lesson"),
+}
 
 
 @pytest.mark.parametrize("lesson", lessons())

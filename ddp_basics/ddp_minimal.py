@@ -84,6 +84,8 @@ def show_eval_hang(args, ctx):
     evaluate does, on rank 0 alone, on a Gloo group (CPU tensors) whose timeout is --hang-timeout:
     its all_reduce waits for ranks that never come, and fails within seconds instead of hanging
     for the default group's timeout. Then the lesson runs as usual."""
+    # the other ranks wait for rank 0 in main's first collective meanwhile, under --timeout
+    ctx.require(args.hang_timeout < args.timeout, "--hang-timeout must be below --timeout")
     short = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.hang_timeout))
     if ctx.rank == 0:
         test_x, test_y = make_data(args.test, seed=1)

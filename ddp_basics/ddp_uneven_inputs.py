@@ -40,13 +40,13 @@ def batch(x, y, args, rank, step):
 
 def main(args, ctx):
     ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: run with --nproc_per_node=2 or more")
+    ctx.require(args.hang_timeout < args.timeout, "--hang-timeout must be below --timeout")
     mine = args.batches + ctx.rank  # uneven on purpose: rank 0 has the fewest
     x, y = make_data(sum(args.batches + r for r in range(ctx.world_size)) * args.batch, seed=0)
     torch.manual_seed(0)
     start = MLP(args.width).to(ctx.device)
 
-    # 1. Without Join: a Gloo group with a short timeout, on CPU tensors, so that the wait fails
-    # quickly and cleanly (an NCCL timeout would abort the whole process instead).
+    # 1. Without Join, on a Gloo group (CPU tensors): its short timeout fails cleanly, NCCL's aborts
     short = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.hang_timeout))
     model = DDP(copy.deepcopy(start).cpu(), process_group=short)
     outcome = f"finished its {mine} batches and left"

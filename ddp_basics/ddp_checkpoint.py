@@ -1,21 +1,23 @@
 """A complete DDP checkpoint, an exact resume from it, and surviving a rank that dies.
 
-Complete: model, optimizer (momentum), LR scheduler, epoch and step (the sampler's position),
-and every rank's RNG state (each batch gets noise, different on each rank). Global rank 0
-alone writes it, to a temporary file renamed over the old one (os.replace is atomic: a crash
-never leaves a torn checkpoint), then a barrier; each rank loads it with map_location (its own
-device) and weights_only=True (tensors and plain data, no code). `train` is the job as you would
-write it: build everything, resume if asked, train, checkpoint as it goes. The lesson runs it
-stopped after epoch --resume-after, resumed in fresh objects, and never interrupted: the final
-parameters must be bit-identical. --save-every N: one job that checkpoints every N steps in --out
-and resumes from there; --fail-at-step S kills the last rank once; under `torchrun
---max-restarts=1` the restarted workers resume and end as a run that never failed (checked).
-Restarts in this torch need --standalone (c10d rendezvous) and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-(pytorch#135712, explained in launch/elastic.py).
+Complete: model, optimizer (momentum), LR scheduler, epoch and step (the sampler's position) and
+every rank's RNG state (each batch gets noise, different on each rank). Global rank 0 alone writes
+it, to a temporary file renamed over the old one (os.replace is atomic: a crash never leaves a
+torn checkpoint), then a barrier; each rank loads it with map_location (its own device) and
+weights_only=True (tensors and plain data, no code). `train` is the job as you would write it.
+The lesson stops it after epoch --resume-after, resumes it in fresh objects, and compares with a
+run never interrupted: bit-identical. --save-every N: a job that checkpoints every N steps in
+--out and resumes from there; --fail-at-step S kills the last rank once; under `torchrun
+--max-restarts=1` the restarted workers resume and end as a run that never failed. Restarts in
+this torch need --standalone and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (pytorch#135712, explained
+in launch/elastic.py).
 
     torchrun --nproc_per_node=2 ddp_basics/ddp_checkpoint.py
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=1 \\
-        ddp_basics/ddp_checkpoint.py --out /tmp/ddp_ckpt --save-every 10 --fail-at-step 25
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 \\
+        --max-restarts=1 ddp_basics/ddp_checkpoint.py --out /tmp/ddp_ckpt --save-every 10 \\
+        --fail-at-step 25
+
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
 
 Docs: https://pytorch.org/tutorials/intermediate/ddp_tutorial.html#save-and-load-checkpoints
       https://pytorch.org/docs/stable/elastic/run.html (fault-tolerant torchrun)
@@ -32,21 +34,19 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from launch.dist_setup import lesson_parser, print0, print_rank, run, test_flags
+from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_rank, run
 from toy import MLP, flat, make_data
 
 
 def train(args, ctx, save_to=None, resume=False, stop_after=None):
-    """The job: from scratch or from the checkpoint at save_to, to the end (or the end of epoch stop_after)."""
+    """The job: from scratch or from the checkpoint at save_to, to the end (or to the end of epoch
+    stop_after)."""
     x, y = make_data(args.train, seed=0)  # every rank builds the same data, on the CPU
     dataset = TensorDataset(x, y)
-    sampler = DistributedSampler(
-        dataset, shuffle=True, seed=args.seed
-    )  # this rank's 1/N (rank, N from the group)
-    # generator=: the loader's iterators draw their seed from it, not from the global RNG the checkpoint restores
-    loader = DataLoader(
-        dataset, batch_size=args.batch, sampler=sampler, generator=torch.Generator()
-    )
+    sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)  # this rank's 1/N
+    # generator=: the loader's iterators draw their seed from it, not from the global RNG that the
+    # checkpoint restores
+    loader = DataLoader(dataset, args.batch, sampler=sampler, generator=torch.Generator())
     torch.manual_seed(0)
     model = MLP(args.width).to(ctx.device)
     model = DDP(model, device_ids=None if ctx.device.type == "cpu" else [ctx.device])
@@ -54,29 +54,22 @@ def train(args, ctx, save_to=None, resume=False, stop_after=None):
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.epochs * len(loader))
     torch.manual_seed(1000 + ctx.rank)  # each rank's own noise stream
-    start_epoch, start_step = (
-        load(save_to, model, opt, sched, sampler, args, ctx) if resume else (0, 0)
-    )
+    start_epoch, start_step = load(save_to, model, opt, sched, sampler, ctx) if resume else (0, 0)
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch
         for step, (xb, yb) in enumerate(loader):
             if epoch == start_epoch and step < start_step:
                 continue  # done before the checkpoint
-            die_if_asked(epoch * len(loader) + step, args, ctx)
+            done = epoch * len(loader) + step
+            die_if_asked(done, args, ctx)  # --fail-at-step
             xb, yb = xb.to(ctx.device), yb.to(ctx.device)
-            xb = xb + args.noise * torch.randn(
-                xb.shape, device=ctx.device
-            )  # augmentation: uses the RNG
+            xb = xb + args.noise * torch.randn(xb.shape, device=ctx.device)  # uses the RNG
             loss = F.cross_entropy(model(xb), yb)
             opt.zero_grad()
             loss.backward()
             opt.step()
             sched.step()
-            if (
-                save_to
-                and args.save_every
-                and (epoch * len(loader) + step + 1) % args.save_every == 0
-            ):
+            if save_to and args.save_every and (done + 1) % args.save_every == 0:
                 save(save_to, model, opt, sched, sampler, epoch, step + 1, ctx)
         if save_to and not args.save_every:
             save(save_to, model, opt, sched, sampler, epoch + 1, 0, ctx)  # once per epoch
@@ -87,7 +80,7 @@ def train(args, ctx, save_to=None, resume=False, stop_after=None):
 
 def save(path, model, opt, sched, sampler, epoch, step, ctx):
     rng = {"cpu": gathered(torch.get_rng_state(), ctx)}  # a collective: every rank takes part
-    if ctx.device.type == "cuda":
+    if ctx.device.type == "cuda":  # the GPU's generator is another state (dropout on the GPU)
         rng["cuda"] = gathered(torch.cuda.get_rng_state(ctx.device), ctx)
     if ctx.rank == 0:
         ckpt = {
@@ -105,30 +98,20 @@ def save(path, model, opt, sched, sampler, epoch, step, ctx):
     dist.barrier()  # nobody reads (or exits) before the file is complete
 
 
-def load(path, model, opt, sched, sampler, args, ctx):
+def load(path, model, opt, sched, sampler, ctx):
     ckpt = torch.load(path, map_location=ctx.device, weights_only=True)
-    ctx.require(
-        ckpt["world_size"] == ctx.world_size,
-        f"the checkpoint was written by {ckpt['world_size']} "
-        "ranks: resume with as many (sampler shards and RNG states are per rank)",
-    )
     model.module.load_state_dict(ckpt["model"])  # every rank loads the same weights
-    if args.forget != "optimizer":
-        opt.load_state_dict(ckpt["optimizer"])
-    if args.forget != "scheduler":
-        sched.load_state_dict(ckpt["scheduler"])
-    if args.forget != "rng":
-        # clone(): set_rng_state reads a row of the stacked tensor from its storage's start (torch 2.13 crashes)
-        torch.set_rng_state(ckpt["rng"]["cpu"][ctx.rank].cpu().clone())
-        if ctx.device.type == "cuda":
-            torch.cuda.set_rng_state(ckpt["rng"]["cuda"][ctx.rank].cpu().clone(), ctx.device)
+    opt.load_state_dict(ckpt["optimizer"])
+    sched.load_state_dict(ckpt["scheduler"])
+    # clone(): set_rng_state reads a row of the stacked tensor from the start of its storage
+    # (without it torch 2.13 crashes)
+    torch.set_rng_state(ckpt["rng"]["cpu"][ctx.rank].cpu().clone())
+    if ctx.device.type == "cuda":
+        torch.cuda.set_rng_state(ckpt["rng"]["cuda"][ctx.rank].cpu().clone(), ctx.device)
     sampler.seed = ckpt["sampler_seed"]
     print0(f"loaded {', '.join(ckpt)} (map_location={ctx.device}, weights_only=True)")
-    print0(
-        f"attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}: resumed from {path} at epoch "
-        f"{ckpt['epoch']} step {ckpt['step']}"
-        + (f", without the {args.forget} state (--forget)" * bool(args.forget))
-    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun's restarts
+    print0(f"attempt {attempt}: resumed from {path} at epoch {ckpt['epoch']} step {ckpt['step']}")
     return ckpt["epoch"], ckpt["step"]
 
 
@@ -148,39 +131,66 @@ def fix_bucket_order(model, ctx):
     model.zero_grad(set_to_none=True)
 
 
+def main(args, ctx):
+    ctx.require(
+        args.save_every or args.resume_after < args.epochs,
+        f"--resume-after {args.resume_after} must be below --epochs {args.epochs}",
+    )
+    ctx.require(args.fail_at_step is None or args.save_every, "--fail-at-step needs --save-every N")
+    ctx.require_writable_dir(args.out)
+    path = os.path.join(args.out, "ddp_checkpoint.pt")
+    if args.save_every:  # a job: resume if an earlier attempt left a checkpoint
+        resume = os.path.exists(path)
+        if resume:
+            require_checkpoint_fits(path, args, ctx)  # else one line, not a traceback
+        else:
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            print0(f"attempt {attempt}: no checkpoint in {args.out}, starting from scratch")
+        final = train(args, ctx, path, resume=resume)
+    else:  # the demonstration: interrupted after epoch k, then resumed in fresh objects
+        train(args, ctx, path, stop_after=args.resume_after)
+        size = os.path.getsize(path) / 1024
+        print0(f"stopped after epoch {args.resume_after}: {path} holds {size:.1f} KiB")
+        final = train(args, ctx, path, resume=True)
+    check_matches_uninterrupted_run(final, args, ctx)
+
+
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
 def die_if_asked(done, args, ctx):
     """--fail-at-step: the last rank dies before step `done`, on the first attempt only."""
-    if (
-        done == args.fail_at_step
-        and ctx.rank == ctx.world_size - 1
-        and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    ):
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if done == args.fail_at_step and ctx.rank == ctx.world_size - 1 and first_attempt:
         print_rank(f"dying at step {done} (--fail-at-step) at unix time {time.time():.3f}")
         os._exit(1)  # abrupt, like a lost machine: no cleanup, no exception
 
 
-def main(args, ctx):
+KEYS = ["model", "optimizer", "scheduler", "epoch", "step", "sampler_seed", "world_size", "rng"]
+
+
+def require_checkpoint_fits(path, args, ctx):
+    """Job mode, before resuming from `path`: it must be one of this job's checkpoints (torch.load
+    reads it with weights_only=True, it has KEYS, a model of this --width, as many ranks); else
+    every rank stops with one line that names the file and what differs."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # not a torch.save file, torn, or holding code (weights_only)
+        ckpt = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:120]}"
+    ctx.require(isinstance(ckpt, dict), f"{path} is not a checkpoint: torch.load fails ({ckpt})")
+    missing = [key for key in KEYS if key not in ckpt]
+    ctx.require(not missing, f"{path} is not a ddp_checkpoint.py checkpoint: it has no {missing}")
+    with torch.device("meta"):  # only the shapes are read
+        want = {k: tuple(v.shape) for k, v in MLP(args.width).state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in ckpt["model"].items()}
+    differ = sorted(k for k in want | got if got.get(k) != want.get(k))
+    shapes = "; ".join(f"{k} {got.get(k)}, here {want.get(k)}" for k in differ[:2])
+    ctx.require(not differ, f"{path} holds another model than --width {args.width}: {shapes}")
     ctx.require(
-        args.save_every or 0 < args.resume_after < args.epochs,
-        f"--resume-after must be between 1 and --epochs - 1 = {args.epochs - 1}",
+        ckpt["world_size"] == ctx.world_size,
+        f"{path} was written by {ckpt['world_size']} ranks, not {ctx.world_size}: resume with as "
+        "many (sampler shards and RNG states are per rank)",
     )
-    ctx.require(args.fail_at_step < 0 or args.save_every > 0, "--fail-at-step needs --save-every N")
-    ctx.require_writable_dir(args.out)
-    path = os.path.join(args.out, "ddp_checkpoint.pt")
-    if args.save_every:  # a job: resume if an earlier attempt left a checkpoint
-        if not os.path.exists(path):
-            print0(
-                f"attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}: no checkpoint in {args.out}, "
-                "starting from scratch"
-            )
-        final = train(args, ctx, path, resume=os.path.exists(path))
-    else:  # the demonstration: interrupted after epoch k, then resumed in fresh objects
-        train(args, ctx, path, stop_after=args.resume_after)
-        print0(
-            f"stopped after epoch {args.resume_after}: {path} holds {os.path.getsize(path) / 1024:.1f} KiB"
-        )
-        final = train(args, ctx, path, resume=True)
-    check_matches_uninterrupted_run(final, args, ctx)
 
 
 def check_matches_uninterrupted_run(final, args, ctx):
@@ -193,15 +203,11 @@ def check_matches_uninterrupted_run(final, args, ctx):
         f"max |resumed - uninterrupted| {diff:.3g}"
     )
     if not torch.equal(final, reference):
-        raise RuntimeError(
-            f"the resumed run differs from the uninterrupted run by up to {diff:.3g}"
-        )
-    how = (
-        f"resume after epoch {args.resume_after}"
-        if not args.save_every
-        else f"checkpoints every "
-        f"{args.save_every} steps, attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    )
+        raise RuntimeError(f"the resumed run differs from the uninterrupted run by {diff:.3g}")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    how = f"resume after epoch {args.resume_after}"
+    if args.save_every:
+        how = f"checkpoints every {args.save_every} steps, attempt {attempt}"
     print0(
         f"OK: {ctx.world_size} ranks, {args.epochs} epochs, {how}: final params bit-identical to "
         f"an uninterrupted run (sha256 {digest})"
@@ -211,37 +217,29 @@ def check_matches_uninterrupted_run(final, args, ctx):
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument("--out", default="checkpoints/ddp_basics", help="checkpoint directory")
-    parser.add_argument("--train", type=int, default=480, help="training examples")
-    parser.add_argument("--batch", type=int, default=16, help="examples per rank per step")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--width", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.2)
-    parser.add_argument("--seed", type=int, default=0, help="DistributedSampler's shuffle seed")
+    parser.add_argument("--train", type=int_in(1, 10**7), default=480, help="training examples")
+    parser.add_argument("--batch", type=int_in(1, 10**6), default=16, help="rank's examples/step")
+    parser.add_argument("--epochs", type=int_in(1, 1000), default=3)
+    parser.add_argument("--width", type=int_in(1, 16384), default=32, help="hidden width")
+    parser.add_argument("--lr", type=float_in(0, 10, low_open=True), default=0.2)
+    parser.add_argument("--seed", type=int_in(0, 2**31 - 1), default=0, help="sampler's seed")
+    parser.add_argument("--noise", type=float_in(0, 100), default=0.05, help="batch noise std")
     parser.add_argument(
-        "--noise", type=float, default=0.05, help="std of the noise added to each batch"
+        "--resume-after", type=int_in(1, 999), default=1, help="epoch the demonstration stops at"
     )
     parser.add_argument(
-        "--resume-after", type=int, default=1, help="epoch after which the demo run stops"
+        "--save-every", type=int_in(0, 10**6), default=0, help="job mode: checkpoint every N steps"
     )
     parser.add_argument(
-        "--save-every", type=int, default=0, help="job mode: checkpoint every N steps, resume"
-    )
-    parser.add_argument(
-        "--fail-at-step", type=int, default=-1, help="job mode: the last rank dies here, once"
-    )
-    test_flags(parser).add_argument(
-        "--forget",
-        choices=["optimizer", "scheduler", "rng"],
-        help="leave this part out of the resume: the exact comparison fails",
+        "--fail-at-step", type=int_in(0, 10**6), help="job mode: the last rank dies here, once"
     )
     args = parser.parse_args()
-    if (
-        os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
-        != "0"  # before init: fail now, not at the restart
-        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    ):
+    # before init: fail now, not at the restart
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0"
+    if restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         sys.exit(
-            f"[rank {os.environ.get('RANK')}] error: restarts in this torch need torchrun --standalone "
-            "(or --rdzv-backend=c10d) and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (pytorch#135712)"
+            f"[rank {os.environ.get('RANK')}] error: restarts in this torch need torchrun "
+            "--standalone (or --rdzv-backend=c10d) and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+            "(pytorch#135712)"
         )
     run(main, args)

@@ -14,35 +14,32 @@ torch.distributed.all_reduce (the hooks call it), and checks the model still lea
     torchrun --nproc_per_node=3 ddp_basics/ddp_comm_hooks.py
     python ddp_basics/ddp_comm_hooks.py --nproc 2 --width 256
 
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+
 Docs: https://pytorch.org/docs/stable/ddp_comm_hooks.html
 """
 
+import contextlib
 import copy
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as powerSGD
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from launch.dist_setup import lesson_parser, print0, run
+from launch.dist_setup import float_in, int_in, lesson_parser, print0, run
 from toy import MLP, accuracy, make_data
 
 
-def train(args, ctx, start, x, y, register):
-    """Train a DDP copy of start with the hook `register` installs; return (accuracy, bytes/step)."""
+def train(args, ctx, start, x, y, state, hook):
+    """Train a DDP copy of start with a comm hook; return (held-out accuracy, bytes handed to
+    all_reduce in the last step, past PowerSGD's plain first steps)."""
     model = DDP(copy.deepcopy(start))
-    register(model)
+    model.register_comm_hook(state, hook)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-    sent = []
-    plain_all_reduce = dist.all_reduce
-
-    def counting_all_reduce(tensor, *rest, **kwargs):  # what every hook ends up calling
-        sent[-1] += tensor.numel() * tensor.element_size()
-        return plain_all_reduce(tensor, *rest, **kwargs)
-
-    dist.all_reduce = counting_all_reduce
-    try:
+    with counting_all_reduce() as sent:  # bytes per step, by wrapping dist.all_reduce
         for step in range(args.steps):
             sent.append(0)
             lo = (step * ctx.world_size + ctx.rank) * args.batch
@@ -50,53 +47,60 @@ def train(args, ctx, start, x, y, register):
             F.cross_entropy(model(xb), yb).backward()
             opt.step()
             opt.zero_grad()
-    finally:
-        dist.all_reduce = plain_all_reduce
     xt, yt = make_data(2000, seed=1)
-    return accuracy(model.module, xt.to(ctx.device), yt.to(ctx.device)), sent[
-        -1
-    ]  # last step: past warm-up
+    return accuracy(model.module, xt.to(ctx.device), yt.to(ctx.device)), sent[-1]
 
 
 def main(args, ctx):
     x, y = make_data(args.steps * ctx.world_size * args.batch, seed=0)
     torch.manual_seed(0)
     start = MLP(args.width).to(ctx.device)
-    n_params = sum(p.numel() for p in start.parameters())
-
-    def power_sgd(model):
-        state = powerSGD.PowerSGDState(
-            process_group=None, matrix_approximation_rank=args.rank, start_powerSGD_iter=2
-        )  # plain all_reduce for the first step(s)
-        model.register_comm_hook(state, powerSGD.powerSGD_hook)
-
-    hooks = {
-        # DDP's built-in all_reduce runs in C++; allreduce_hook is the same thing in Python, so it is counted
-        "allreduce_hook (fp32)": lambda model: model.register_comm_hook(
-            None, default_hooks.allreduce_hook
-        ),
-        "fp16_compress_hook": lambda model: model.register_comm_hook(
-            None, default_hooks.fp16_compress_hook
-        ),
-        f"PowerSGD rank {args.rank}": power_sgd,
+    # PowerSGD: plain all_reduce for the first 2 steps, then the rank-r factors P and Q
+    power_sgd = powerSGD.PowerSGDState(None, args.rank, start_powerSGD_iter=2)
+    hooks = {  # name: (state, hook); allreduce_hook: DDP's own all_reduce, in Python (counted)
+        "allreduce_hook (fp32)": (None, default_hooks.allreduce_hook),
+        "fp16_compress_hook": (None, default_hooks.fp16_compress_hook),
+        f"PowerSGD rank {args.rank}": (power_sgd, powerSGD.powerSGD_hook),
     }
-    if (
-        ctx.backend == "nccl"
-    ):  # DDP refuses it elsewhere: "required CUDA 11+ and NCCL 2.10+ or XPU and XCCL"
-        hooks["bf16_compress_hook"] = lambda model: model.register_comm_hook(
-            None, default_hooks.bf16_compress_hook
-        )
+    if ctx.backend == "nccl":  # DDP refuses it elsewhere: "required CUDA 11+ and NCCL 2.10+ ..."
+        hooks["bf16_compress_hook"] = (None, default_hooks.bf16_compress_hook)
     else:
         print0(f"bf16_compress_hook: needs NCCL (or XCCL), skipped on {ctx.backend}")
+    n_params = sum(p.numel() for p in start.parameters())
     print0(f"model: {n_params} parameters = {4 * n_params} bytes of fp32 gradients per step")
     results = {}
-    for name, register in hooks.items():
-        results[name] = train(args, ctx, start, x, y, register)
-        acc, sent = results[name]
+    for name, (state, hook) in hooks.items():
+        results[name] = acc, sent = train(args, ctx, start, x, y, state, hook)
         print0(
             f"{name:24s} bytes sent per step {sent:8d} ({sent / (4 * n_params):5.1%}), "
             f"held-out accuracy {acc:.3f}"
         )
+    check(results, n_params, args, ctx)
+
+
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
+@contextlib.contextmanager
+def counting_all_reduce():
+    """Inside: torch.distributed.all_reduce (what every hook ends up calling) adds the bytes it is
+    handed to the last entry of the list it yields."""
+    sent, plain_all_reduce = [], dist.all_reduce
+
+    def counting(tensor, *rest, **kwargs):
+        sent[-1] += tensor.numel() * tensor.element_size()
+        return plain_all_reduce(tensor, *rest, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        yield sent
+    finally:
+        dist.all_reduce = plain_all_reduce
+
+
+def check(results, n_params, args, ctx):
+    """Plain DDP sends every fp32 gradient, fp16/bf16 half of that, PowerSGD less; every run
+    reaches --target held-out accuracy."""
     base = results["allreduce_hook (fp32)"][1]
     if base != 4 * n_params:
         raise RuntimeError(
@@ -112,20 +116,31 @@ def main(args, ctx):
                 f"{name}: held-out accuracy {acc:.3f} is below the target {args.target}"
             )
     ratio = results[f"PowerSGD rank {args.rank}"][1] / base
+    half = "fp16/bf16" if ctx.backend == "nccl" else "fp16"
+    lowest = min(a for a, _ in results.values())
     print0(
-        f"OK: {'fp16/bf16' if ctx.backend == 'nccl' else 'fp16'} compression sends half the bytes, PowerSGD {ratio:.0%}; every run reaches held-out "
-        f"accuracy >= {args.target} (lowest {min(a for a, _ in results.values()):.3f})"
+        f"OK: {half} compression sends half the bytes, PowerSGD {ratio:.0%}; every run reaches "
+        f"held-out accuracy >= {args.target} (lowest {lowest:.3f})"
     )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--batch", type=int, default=32, help="examples per rank per step")
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=0.01)
-    parser.add_argument("--rank", type=int, default=2, help="PowerSGD's matrix approximation rank")
     parser.add_argument(
-        "--target", type=float, default=0.75, help="held-out accuracy every run must reach"
+        "--steps",
+        type=int_in(3, 10_000),
+        default=120,
+        help="training steps (PowerSGD compresses from the third on)",
+    )
+    parser.add_argument(
+        "--batch", type=int_in(1, 10**5), default=32, help="examples per rank per step"
+    )
+    parser.add_argument("--width", type=int_in(1, 16384), default=64, help="hidden width")
+    parser.add_argument("--lr", type=float_in(0, 10, low_open=True), default=0.01)
+    parser.add_argument(
+        "--rank", type=int_in(1, 1024), default=2, help="PowerSGD's matrix approximation rank"
+    )
+    parser.add_argument(
+        "--target", type=float_in(0, 1), default=0.75, help="held-out accuracy every run must reach"
     )
     run(main, parser.parse_args())

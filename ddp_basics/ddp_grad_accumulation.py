@@ -9,7 +9,10 @@ over the whole global batch. A comm hook that counts its calls shows the communi
     torchrun --nproc_per_node=3 ddp_basics/ddp_grad_accumulation.py
     python ddp_basics/ddp_grad_accumulation.py --nproc 2 --accum 8
 
-Docs: https://pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html#torch.nn.parallel.DistributedDataParallel.no_sync
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+
+Docs (DistributedDataParallel.no_sync):
+  https://pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html
 """
 
 import torch
@@ -18,21 +21,20 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from launch.dist_setup import lesson_parser, print0, run
+from launch.dist_setup import float_in, int_in, lesson_parser, print0, run
 from toy import MLP, flat, fp32_tolerance, global_batches, make_data
 
 
 def main(args, ctx):
     x, y = make_data(args.train, seed=0)  # every rank builds the same data, on the CPU
     dataset = TensorDataset(x, y)
-    sampler = DistributedSampler(
-        dataset, shuffle=True, seed=args.seed
-    )  # this rank's 1/N (rank, N from the group)
+    # this rank's 1/N of the data set (the rank and N come from the process group)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)
     loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler)  # micro-batches
     ctx.require(
         len(sampler) % args.batch == 0 and len(loader) % args.accum == 0,
-        f"{len(sampler)} examples per rank do not make whole steps of --accum {args.accum} x --batch "
-        f"{args.batch}: make --train a multiple of {args.accum * args.batch} x ranks",
+        f"{len(sampler)} examples per rank do not make whole steps of --accum {args.accum} x "
+        f"--batch {args.batch}: make --train a multiple of {args.accum * args.batch} x ranks",
     )
     torch.manual_seed(0)
     model = MLP(args.width).to(ctx.device)
@@ -44,26 +46,28 @@ def main(args, ctx):
         for i, (xb, yb) in enumerate(loader):
             xb, yb = xb.to(ctx.device), yb.to(ctx.device)
             if (i + 1) % args.accum:
-                # the forward too: DDP decides in forward whether backward syncs (torch/nn/parallel/distributed.py, 2.13)
-                with model.no_sync():  # gradients accumulate in .grad, nothing is sent
-                    loss = (
-                        F.cross_entropy(model(xb), yb) / args.accum
-                    )  # the step's loss: the mean of accum micro-batches
+                # the forward too: DDP decides in forward whether backward syncs
+                # (DistributedDataParallel.forward, torch/nn/parallel/distributed.py, torch 2.13)
+                with model.no_sync():  # gradients add up in .grad, nothing is sent
+                    # the step's loss is the mean over its accum micro-batches
+                    loss = F.cross_entropy(model(xb), yb) / args.accum
                     loss.backward()
             else:
                 loss = F.cross_entropy(model(xb), yb) / args.accum
                 loss.backward()  # DDP all_reduces (averages) the accumulated gradients
                 opt.step()
                 opt.zero_grad()
-
     steps = args.epochs * len(loader) // args.accum
     sends_without = count_without_no_sync(loader, args, ctx)
     check_matches_large_batch(model, x, y, args, ctx, sends["calls"] / steps, sends_without)
 
 
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
 def count_all_reduces(model):
-    """A comm hook (ddp_comm_hooks.py teaches them) replaces DDP's all_reduce of each gradient bucket:
-    this one counts, then does the default all_reduce."""
+    """A comm hook (ddp_comm_hooks.py teaches them) replaces DDP's all_reduce of each gradient
+    bucket: this one counts, then does the default all_reduce."""
     state = {"calls": 0}
 
     def hook(state, bucket):
@@ -76,10 +80,8 @@ def count_all_reduces(model):
 
 def count_without_no_sync(loader, args, ctx):
     """The same micro-batches without no_sync: all_reduces per optimizer step."""
-    model = DDP(
-        MLP(args.width).to(ctx.device),
-        device_ids=None if ctx.device.type == "cpu" else [ctx.device],
-    )
+    device_ids = None if ctx.device.type == "cpu" else [ctx.device]
+    model = DDP(MLP(args.width).to(ctx.device), device_ids=device_ids)
     sends = count_all_reduces(model)
     for i, (xb, yb) in enumerate(loader):
         (F.cross_entropy(model(xb.to(ctx.device)), yb.to(ctx.device)) / args.accum).backward()
@@ -89,10 +91,11 @@ def count_without_no_sync(loader, args, ctx):
 
 
 def check_matches_large_batch(model, x, y, args, ctx, sends, sends_without):
-    """Independent: one process on ctx.device, at each step the whole global batch (every rank's accum
-    micro-batches, rebuilt by hand with toy.global_batches). Same device and float32 arithmetic: the runs
-    differ by summation order only (micro-batch means added, rank sums averaged, vs one mean), a few ulp
-    per step; measured 1-2e-7 after 3 epochs on CPU; --tol 1e-5, widened only if TF32 matmuls are on."""
+    """Independent: one process on ctx.device, at each step the whole global batch (every rank's
+    accum micro-batches, rebuilt by hand with toy.global_batches). Same device and float32
+    arithmetic: the runs differ by summation order only (micro-batch means added, rank sums
+    averaged, vs one mean), a few ulp per step; measured 1-2e-7 after 3 epochs on CPU; --tol 1e-5,
+    widened only if TF32 matmuls are on."""
     torch.manual_seed(0)
     single = MLP(args.width).to(ctx.device)
     opt = torch.optim.SGD(single.parameters(), lr=args.lr, momentum=0.9)
@@ -106,12 +109,13 @@ def check_matches_large_batch(model, x, y, args, ctx, sends, sends_without):
             opt.zero_grad()
     worst, tol = (flat(model) - flat(single)).abs().max().item(), fp32_tolerance(args.tol)
     print0(
-        f"global batch {ctx.world_size * args.accum * args.batch} = {ctx.world_size} ranks x {args.accum} "
-        f"micro-batches x {args.batch}"
+        f"global batch {ctx.world_size * args.accum * args.batch} = {ctx.world_size} ranks x "
+        f"{args.accum} micro-batches x {args.batch}"
     )
     print0(f"all_reduce calls per step: {sends:g} with no_sync, {sends_without:g} without")
     print0(
-        f"max |param - single-process param| after {args.epochs} epochs: {worst:.2e} (tolerance {tol:g})"
+        f"max |param - single-process param| after {args.epochs} epochs: {worst:.2e} "
+        f"(tolerance {tol:g})"
     )
     if not worst <= tol:  # `not <=`: a NaN fails too
         raise RuntimeError(f"accumulated DDP training differs from the large batch by {worst:.2e}")
@@ -121,20 +125,35 @@ def check_matches_large_batch(model, x, y, args, ctx, sends, sends_without):
         )
     print0(
         f"OK: {args.accum} micro-batches per step under no_sync match the large batch "
-        f"(max diff {worst:.1e}) with {sends:g} all_reduce(s) per step instead of {sends_without:g} without it"
+        f"(max diff {worst:.1e}) with {sends:g} all_reduce(s) per step instead of "
+        f"{sends_without:g} without it"
     )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step")
     parser.add_argument(
-        "--train", type=int, default=1536, help="training examples (a multiple of 64 x ranks)"
+        "--accum",
+        type=int_in(2, 1024),
+        default=4,
+        help="micro-batches per optimizer step (one alone would accumulate nothing)",
     )
-    parser.add_argument("--batch", type=int, default=16, help="examples per rank per micro-batch")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--width", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.2)
-    parser.add_argument("--seed", type=int, default=0, help="DistributedSampler's shuffle seed")
-    parser.add_argument("--tol", type=float, default=1e-5)
+    parser.add_argument(
+        "--train",
+        type=int_in(1, 10**7),
+        default=1536,
+        help="training examples (a multiple of accum x batch x ranks)",
+    )
+    parser.add_argument(
+        "--batch", type=int_in(1, 10**6), default=16, help="examples per rank per micro-batch"
+    )
+    parser.add_argument("--epochs", type=int_in(1, 1000), default=3)
+    parser.add_argument("--width", type=int_in(1, 16384), default=32, help="hidden width")
+    parser.add_argument("--lr", type=float_in(0, 10, low_open=True), default=0.2)
+    parser.add_argument(
+        "--seed", type=int_in(0, 2**31 - 1), default=0, help="DistributedSampler's shuffle seed"
+    )
+    parser.add_argument(
+        "--tol", type=float_in(0, 1), default=1e-5, help="max |param difference| allowed (float32)"
+    )
     run(main, parser.parse_args())

@@ -8,15 +8,18 @@ and its sums are all_reduced, so every rank gets the same metric. Checks: the pa
 equal one process trained on the same global batches (rebuilt by hand from the sampler's
 order, from rank 0's initial weights), they are identical on every rank, and the
 all_reduced metric equals the whole held-out set scored by each rank alone.
+--show-eval-hang first shows the classic bug, an evaluation on rank 0 only: a hang (here under
+a timeout of a few seconds).
 
     torchrun --nproc_per_node=2 ddp_basics/ddp_minimal.py
     python ddp_basics/ddp_minimal.py --nproc 3 --epochs 10 --show-eval-hang
+
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
 
 Docs: https://pytorch.org/tutorials/intermediate/ddp_tutorial.html
       https://pytorch.org/docs/stable/data.html#torch.utils.data.distributed.DistributedSampler
 """
 
-import copy
 import datetime
 import sys
 
@@ -27,28 +30,23 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from tqdm import tqdm
 
-from launch.dist_setup import lesson_parser, print0, print_in_order, run, test_flags
+from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_order, run
 from toy import MLP, check_matches_single_process, flat, make_data, spread
 
 
 def main(args, ctx):
     x, y = make_data(args.train, seed=0)  # every rank builds the same data, on the CPU
     dataset = TensorDataset(x, y)
-    sampler = DistributedSampler(
-        dataset, shuffle=True, seed=args.seed
-    )  # this rank's 1/N (rank, N from the group)
+    # this rank's 1/N of the data set (the rank and N come from the process group)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)
     loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler)
-    torch.manual_seed(
-        ctx.rank
-    )  # different on purpose: DDP's constructor broadcasts rank 0's weights
+    torch.manual_seed(ctx.rank)  # different on purpose: DDP's constructor broadcasts rank 0's
     model = MLP(args.width).to(ctx.device)
     model = DDP(model, device_ids=None if ctx.device.type == "cpu" else [ctx.device])
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch
-        bar = tqdm(
-            loader, desc=f"epoch {epoch}", disable=ctx.rank != 0, file=sys.stderr, mininterval=1
-        )
+        bar = tqdm(loader, f"epoch {epoch}", disable=ctx.rank != 0, file=sys.stderr, mininterval=1)
         for xb, yb in bar:
             xb, yb = xb.to(ctx.device), yb.to(ctx.device)
             loss = F.cross_entropy(model(xb), yb)
@@ -57,67 +55,64 @@ def main(args, ctx):
             opt.step()
             bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)  # rank 0's local loss only
     test_x, test_y = make_data(args.test, seed=1)  # held out
-    if args.show_eval_hang:
-        show_eval_hang(model, test_x, test_y, args, ctx)
     correct, count, loss_sum = evaluate(model, test_x, test_y, ctx).tolist()  # on every rank
     print_in_order(
         f"held-out accuracy {correct / count:.4f} ({correct:.0f}/{count:.0f}, all_reduced), "
         f"loss {loss_sum / count:.4f}; sum of params {flat(model).double().sum().item():+.6f}"
     )
-
     check(model, x, y, sampler, test_x, test_y, (correct, count, loss_sum), args, ctx)
 
 
-def evaluate(model, x, y, ctx, group=None, device=None):
+def evaluate(model, x, y, ctx):
     """Each rank scores x[rank::N]; the sums are all_reduced, so every rank gets the whole set's."""
-    device = device or ctx.device
-    xs, ys = x[ctx.rank :: ctx.world_size].to(device), y[ctx.rank :: ctx.world_size].to(device)
+    xs, ys = x[ctx.rank :: ctx.world_size], y[ctx.rank :: ctx.world_size]
+    xs, ys = xs.to(ctx.device), ys.to(ctx.device)
     with torch.no_grad():
         out = model(xs)
-    sums = torch.tensor(
-        [
-            (out.argmax(1) == ys).sum().item(),
-            len(ys),
-            F.cross_entropy(out, ys, reduction="sum").item(),
-        ],
-        dtype=torch.float64,
-        device=device,
-    )
-    dist.all_reduce(sums, group=group)  # every rank must call this, not just the one that logs
+    correct = (out.argmax(1) == ys).sum().item()
+    loss_sum = F.cross_entropy(out, ys, reduction="sum").item()
+    sums = torch.tensor([correct, len(ys), loss_sum], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(sums)  # every rank must call this, not just the one that logs
     return sums
 
 
-def show_eval_hang(model, test_x, test_y, args, ctx):
-    """The classic bug, `if rank == 0: evaluate(...)`, on a Gloo group with a short timeout (CPU tensors)."""
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
+def show_eval_hang(args, ctx):
+    """--show-eval-hang, the classic bug before the lesson: `if rank == 0: evaluate(...)`. What
+    evaluate does, on rank 0 alone, on a Gloo group (CPU tensors) whose timeout is --hang-timeout:
+    its all_reduce waits for ranks that never come, and fails within seconds instead of hanging
+    for the default group's timeout. Then the lesson runs as usual."""
+    # the other ranks wait for rank 0 in main's first collective meanwhile, under --timeout
+    ctx.require(args.hang_timeout < args.timeout, "--hang-timeout must be below --timeout")
     short = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.hang_timeout))
     if ctx.rank == 0:
+        test_x, test_y = make_data(args.test, seed=1)
+        model = MLP(args.width).to("cpu")  # on the CPU: the Gloo group takes CPU tensors
+        with torch.no_grad():
+            correct = (model(test_x).argmax(1) == test_y).sum().item()
+        sums = torch.tensor([correct, len(test_y)], dtype=torch.float64, device="cpu")
         try:
-            evaluate(
-                copy.deepcopy(model.module).cpu(), test_x, test_y, ctx, short, torch.device("cpu")
-            )
+            dist.all_reduce(sums, group=short)
+            print0("evaluation on rank 0 only: 1 rank, so nobody was missing")
         except RuntimeError:
             print0(
-                f"evaluation on rank 0 only: its all_reduce waited for ranks that never came, "
-                f"and failed after the {args.hang_timeout:g} s timeout (a hang with the default timeout)"
+                "evaluation on rank 0 only: its all_reduce waited for ranks that never came, "
+                f"and failed after the {args.hang_timeout:g} s timeout (a hang with the default "
+                "timeout)"
             )
+    main(args, ctx)
 
 
 def check(model, x, y, sampler, test_x, test_y, sums, args, ctx):
     """Every check below, reported before any raises."""
     correct, count, loss_sum = sums
-    if (
-        args.corrupt_for_testing
-    ):  # each rank moves its parameters by a different amount: every check must fail
-        with torch.no_grad():
-            for p in model.parameters():
-                p += 0.01 * (ctx.rank + 1)
     check_set_epoch(sampler, len(x))
     diff, tol = check_matches_single_process(model, x, y, sampler, args, ctx)
     whole, failures = check_metric(model, test_x, test_y, sums, ctx)
-    param_spread, metric_spread = (
-        spread(flat(model)),
-        spread(torch.tensor(whole, device=ctx.device)),
-    )
+    param_spread = spread(flat(model))
+    metric_spread = spread(torch.tensor(whole, device=ctx.device))
     print0(
         f"max |param - single process| {diff:.2e} (tolerance {tol:g}); spread across ranks: "
         f"params {param_spread:.2e}, metric {metric_spread:.2e}; chance accuracy {1 / 4:.2f}"
@@ -129,9 +124,10 @@ def check(model, x, y, sampler, test_x, test_y, sums, args, ctx):
     if failures:
         raise RuntimeError("; ".join(failures))
     print0(
-        f"OK: DDP + DistributedSampler on {ctx.world_size} ranks, {args.epochs} epochs: params match "
-        f"single-process training on the same batches (max diff {diff:.1e}) and are identical across ranks; "
-        f"all_reduced held-out accuracy {correct / count:.3f} equals the whole set's, on every rank"
+        f"OK: DDP + DistributedSampler on {ctx.world_size} ranks, {args.epochs} epochs: params "
+        f"match single-process training on the same batches (max diff {diff:.1e}) and are "
+        f"identical across ranks; all_reduced held-out accuracy {correct / count:.3f} equals the "
+        "whole set's, on every rank"
     )
 
 
@@ -143,9 +139,10 @@ def check_set_epoch(sampler, n):
     moved = sum(a != b for a, b in zip(epoch0, list(sampler))) / len(epoch0)
     print0(
         f"DistributedSampler: {len(epoch0)} of {n} examples per rank per epoch; without set_epoch "
-        f"epoch 1 repeats epoch 0's order: {epoch0 == again}; with set_epoch(1) {moved:.0%} of positions change"
+        f"epoch 1 repeats epoch 0's order: {epoch0 == again}; with set_epoch(1) {moved:.0%} of "
+        "positions change"
     )
-    if epoch0 != again or moved < 0.5:
+    if epoch0 != again or (len(epoch0) > 1 and moved < 0.5):
         raise RuntimeError("DistributedSampler did not behave as described")
 
 
@@ -168,26 +165,30 @@ def check_metric(model, test_x, test_y, sums, ctx):
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--train", type=int, default=1200, help="training examples")
-    parser.add_argument("--test", type=int, default=1000, help="held-out examples")
-    parser.add_argument("--batch", type=int, default=16, help="examples per rank per step")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--width", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.2)
-    parser.add_argument("--seed", type=int, default=0, help="DistributedSampler's shuffle seed")
+    parser.add_argument("--train", type=int_in(1, 10**7), default=1200, help="training examples")
+    parser.add_argument("--test", type=int_in(1, 10**7), default=1000, help="held-out examples")
     parser.add_argument(
-        "--tol", type=float, default=1e-5, help="max |param difference| allowed (float32)"
+        "--batch", type=int_in(1, 10**6), default=16, help="examples per rank per step"
     )
-    tests = test_flags(parser)
-    tests.add_argument(
+    parser.add_argument("--epochs", type=int_in(1, 1000), default=3)
+    parser.add_argument("--width", type=int_in(1, 16384), default=32, help="hidden width")
+    parser.add_argument("--lr", type=float_in(0, 10, low_open=True), default=0.2)
+    parser.add_argument(
+        "--seed", type=int_in(0, 2**31 - 1), default=0, help="DistributedSampler's shuffle seed"
+    )
+    parser.add_argument(
+        "--tol", type=float_in(0, 1), default=1e-5, help="max |param difference| allowed (float32)"
+    )
+    parser.add_argument(
         "--show-eval-hang",
         action="store_true",
-        help="first evaluate on rank 0 only, under a short timeout: the hang it causes",
+        help="first the classic bug: evaluate on rank 0 only, and see the wait fail",
     )
-    tests.add_argument("--hang-timeout", type=float, default=3.0)
-    tests.add_argument(
-        "--corrupt-for-testing",
-        action="store_true",
-        help="after training each rank moves its params by a different amount: every check fails",
+    parser.add_argument(
+        "--hang-timeout",
+        type=float_in(0, 600, low_open=True),
+        default=3.0,
+        help="seconds before --show-eval-hang's wait fails",
     )
-    run(main, parser.parse_args())
+    args = parser.parse_args()
+    run(show_eval_hang if args.show_eval_hang else main, args)

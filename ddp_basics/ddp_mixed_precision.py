@@ -6,13 +6,16 @@ loss scaling. fp16 does: small gradients underflow to zero, so GradScaler multip
 loss before backward and divides the gradients again in `scaler.step` -- and before gradient
 clipping you must call `scaler.unscale_(opt)`, or you would clip the scaled gradients.
 The lesson trains the same model in fp32 and in each 16-bit mode and compares the loss. Both
-modes run on CPU too in torch 2.13 (autocast's CPU dtypes are bf16 and fp16, torch/amp/autocast_mode.py;
-GradScaler takes "cpu", torch/amp/grad_scaler.py), so the same checks run on every device.
+modes run on CPU too in torch 2.13 (autocast's CPU dtypes are bf16 and fp16,
+torch/amp/autocast_mode.py; GradScaler takes "cpu", torch/amp/grad_scaler.py), so the same checks
+run on every device.
 Its skeleton is ddp_minimal.py's: `diff ddp_minimal.py ddp_mixed_precision.py` shows the lines
 mixed precision adds.
 
     torchrun --nproc_per_node=3 ddp_basics/ddp_mixed_precision.py
     python ddp_basics/ddp_mixed_precision.py --nproc 2 --epochs 6
+
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
 
 Docs: https://pytorch.org/docs/stable/amp.html
 """
@@ -22,7 +25,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from launch.dist_setup import lesson_parser, print0, run, test_flags
+from launch.dist_setup import float_in, int_in, lesson_parser, print0, run
 from toy import MLP, make_data
 
 MODES = [
@@ -35,9 +38,8 @@ MODES = [
 def main(args, ctx):
     x, y = make_data(args.train, seed=0)  # every rank builds the same data, on the CPU
     dataset = TensorDataset(x, y)
-    sampler = DistributedSampler(
-        dataset, shuffle=True, seed=args.seed
-    )  # this rank's 1/N (rank, N from the group)
+    # this rank's 1/N of the data set (the rank and N come from the process group)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)
     loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler)
     test_x, test_y = make_data(args.test, seed=1)  # held out
     results = {}
@@ -46,28 +48,26 @@ def main(args, ctx):
         model = MLP(args.width).to(ctx.device)
         model = DDP(model, device_ids=None if ctx.device.type == "cpu" else [ctx.device])
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-        scaler = torch.amp.GradScaler(
-            ctx.device.type, enabled=dtype == torch.float16
-        )  # off: a no-op
+        # disabled (fp32, bf16), every call of the scaler below passes its input through
+        scaler = torch.amp.GradScaler(ctx.device.type, enabled=dtype == torch.float16)
         for epoch in range(args.epochs):
             sampler.set_epoch(epoch)  # a new shuffle each epoch
             for xb, yb in loader:
                 xb, yb = xb.to(ctx.device), yb.to(ctx.device)
-                with torch.autocast(
-                    ctx.device.type, dtype=dtype or torch.float32, enabled=dtype is not None
-                ):
-                    loss = F.cross_entropy(
-                        model(xb), yb
-                    )  # linear in 16 bits, cross_entropy in fp32 (amp docs' op lists)
+                # linear in 16 bits, cross_entropy in fp32 (the op lists of the amp docs)
+                with torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype is not None):
+                    loss = F.cross_entropy(model(xb), yb)
                 opt.zero_grad()
                 scaler.scale(loss).backward()  # DDP all_reduces the (scaled) fp32 gradients here
-                if not args.skip_unscale:
-                    scaler.unscale_(opt)  # true gradients now, so clipping sees their real norm
+                scaler.unscale_(opt)  # true gradients now, so clipping sees their real norm
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
                 scaler.step(opt)  # skips the step if fp16 gradients overflowed
                 scaler.update()
         results[name] = held_out_loss(model, test_x, test_y, ctx), scaler
     check_16_bit_modes(results, args, ctx)
+
+
+# ---- The lesson ends here. What follows is how it checks itself. ----
 
 
 def held_out_loss(model, x, y, ctx):
@@ -83,9 +83,9 @@ def check_16_bit_modes(results, args, ctx):
     defaults (`python ddp_basics/ddp_mixed_precision.py --nproc N`); CUDA's fp16/bf16 matmuls round
     to the same formats, accumulating in fp32. --tol 0.05 is 10x the worst measured, since the drift
     of a training run is not smooth in its rounding (at --lr 0.2 one rank drifted 0.27), and far
-    below what a missing unscale_ gives (0.65 at 2 ranks: `--skip-unscale`). A step whose fp16
-    gradients overflow is skipped by GradScaler on every rank alike (DDP averages the gradients
-    before unscale_, so every rank finds the same inf), and the scale is halved."""
+    below what a missing unscale_ gives (0.65 at 2 ranks, measured with that line left out). A
+    step whose fp16 gradients overflow is skipped by GradScaler on every rank alike (DDP averages
+    the gradients before unscale_, so every rank finds the same inf), and the scale is halved."""
     fp32 = results["fp32"][0]
     print0(f"fp32: held-out loss {fp32:.4f}")
     worst = 0.0
@@ -104,26 +104,28 @@ def check_16_bit_modes(results, args, ctx):
         if not diff <= args.tol:  # `not <=`: a NaN fails too
             raise RuntimeError(f"{name} ends {diff:.4f} away from the fp32 loss {fp32:.4f}")
     print0(
-        f"OK: bf16 autocast and fp16 autocast + GradScaler under DDP on {ctx.device.type} end at the fp32 "
-        f"held-out loss {fp32:.3f} within {worst:.3f} (tolerance {args.tol:g})"
+        f"OK: bf16 autocast and fp16 autocast + GradScaler under DDP on {ctx.device.type} end at "
+        f"the fp32 held-out loss {fp32:.3f} within {worst:.3f} (tolerance {args.tol:g})"
     )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--train", type=int, default=1200, help="training examples")
-    parser.add_argument("--test", type=int, default=1000, help="held-out examples")
-    parser.add_argument("--batch", type=int, default=16, help="examples per rank per step")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--width", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--seed", type=int, default=0, help="DistributedSampler's shuffle seed")
-    parser.add_argument("--clip", type=float, default=1.0, help="max gradient norm")
-    parser.add_argument("--tol", type=float, default=0.05, help="allowed |loss - fp32 loss|")
-    tests = test_flags(parser)
-    tests.add_argument(
-        "--skip-unscale",
-        action="store_true",
-        help="clip the scaled fp16 gradients (no unscale_): the fp16 check fails",
+    parser.add_argument("--train", type=int_in(1, 10**7), default=1200, help="training examples")
+    parser.add_argument("--test", type=int_in(1, 10**7), default=1000, help="held-out examples")
+    parser.add_argument(
+        "--batch", type=int_in(1, 10**6), default=16, help="examples per rank per step"
+    )
+    parser.add_argument("--epochs", type=int_in(1, 1000), default=3)
+    parser.add_argument("--width", type=int_in(1, 16384), default=32, help="hidden width")
+    parser.add_argument("--lr", type=float_in(0, 10, low_open=True), default=0.1)
+    parser.add_argument(
+        "--seed", type=int_in(0, 2**31 - 1), default=0, help="DistributedSampler's shuffle seed"
+    )
+    parser.add_argument(
+        "--clip", type=float_in(0, 10**6, low_open=True), default=1.0, help="max gradient norm"
+    )
+    parser.add_argument(
+        "--tol", type=float_in(0, 10), default=0.05, help="allowed |loss - fp32 loss|"
     )
     run(main, parser.parse_args())

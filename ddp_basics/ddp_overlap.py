@@ -1,22 +1,22 @@
 """What runs while what waits in DDP's backward: a text timeline of one step per rank.
 
-DDP cuts the gradients into buckets of bucket_cap_mb MiB, in about the reverse order of model.parameters(),
-and all_reduces each bucket as soon as its gradients are all ready, while autograd goes on with the earlier
-layers (DDP notes, "Internal Design"); after the first step it rebuilds the buckets "based on its real
-execution order in backward graph". With the default cap (25) the first bucket holds at most 1 MiB;
-gradient_as_bucket_view makes each .grad a view into its bucket: no copy, no second copy of the gradients
-in memory (all three: torch/nn/parallel/distributed.py, torch 2.13). The lesson times each Linear layer's
-backward (its output's gradient in, its weight's gradient accumulated) and each bucket's all_reduce (a comm
-hook: the call, then its future's completion) for four DDP settings; all four must train to one process's
-parameters.
-
-On CPU, Gloo adds the buckets on the same few cores that run the backward of every rank: read the order
-of the events here, not the times. On a GPU the times are CUDA events: a comm future's callback
-runs on a stream that waits for the NCCL kernel (Future.then, torch/futures/__init__.py), so an
-event recorded there marks the end of the all_reduce on the GPU, while the backward goes on.
+DDP cuts the gradients into buckets of bucket_cap_mb MiB, in about the reverse order of
+model.parameters(), and all_reduces each bucket as soon as its gradients are all ready, while
+autograd goes on with the earlier layers; after the first step it rebuilds the buckets "based on
+its real execution order in backward graph". With the default cap (25) the first bucket holds at
+most 1 MiB; gradient_as_bucket_view makes each .grad a view into its bucket: no copy, no second
+copy of the gradients in memory (all three: torch/nn/parallel/distributed.py, torch 2.13). For
+four DDP settings the lesson times each Linear layer's backward (its output's gradient in, its
+weight's gradient out) and each bucket's all_reduce (a comm hook: the call, then its future's
+completion); all four must train to one process's parameters. On CPU, Gloo adds the buckets on
+the cores that run the backward: read the order of the events, not the times. On a GPU the times
+are CUDA events, and a comm future's callback runs on a stream that waits for the NCCL kernel
+(Future.then, torch/futures/__init__.py): the end of the all_reduce on the GPU.
 
     torchrun --nproc_per_node=2 ddp_basics/ddp_overlap.py
     python ddp_basics/ddp_overlap.py --nproc 3 --width 1024 --small-mb 4
+
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
 
 Docs: https://pytorch.org/docs/stable/notes/ddp.html#internal-design
       https://pytorch.org/docs/stable/ddp_comm_hooks.html
@@ -30,65 +30,45 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from launch.dist_setup import lesson_parser, print0, print_in_order, run, test_flags
+from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_order, run
 from toy import MLP, flat, fp32_tolerance, make_data
 
 
 def main(args, ctx):
-    ctx.require(
-        min(args.width, args.depth, args.steps, args.batch) >= 1 and args.small_mb > 0,
-        "--width, --depth, --steps and --batch must be at least 1, --small-mb above 0",
-    )
     x, y = (t.to(ctx.device) for t in make_data(args.steps * ctx.world_size * args.batch))
     torch.manual_seed(0)
     start = MLP(args.width, depth=args.depth).to(ctx.device)
-    # (bucket_cap_mb, gradient_as_bucket_view); None: DDP's default, 25 MiB with a first bucket of 1 MiB
-    variants = [
-        (None, False),
-        (2 * args.small_mb, False),
-        (args.small_mb, False),
-        (args.small_mb, True),
-    ]
-    results = {
-        (cap, as_view): train(args, ctx, start, x, y, cap, as_view) for cap, as_view in variants
-    }
+    # (bucket_cap_mb, gradient_as_bucket_view); None: DDP's default, 25 MiB, the first one 1 MiB
+    variants = [(None, False), (2 * args.small_mb, False), (args.small_mb, False)]
+    variants.append((args.small_mb, True))
+    results = {v: train(args, ctx, start, x, y, *v) for v in variants}
     print_timelines(results, ctx)
     check_timelines(results, start, ctx)
     check_same_parameters(results, start, x, y, args, ctx)
 
 
 def train(args, ctx, start, x, y, bucket_cap_mb, as_view):
-    """Train a DDP copy of start; return its module, the last step's timeline, its buckets' parameters
-    and the parameters whose .grad lies in a bucket's buffer."""
+    """Train a DDP copy of start; return its module, the last step's timeline, its buckets'
+    parameters and the parameters whose .grad lies in a bucket's buffer."""
+    device_ids = None if ctx.device.type == "cpu" else [ctx.device]
     model = DDP(
         copy.deepcopy(start),
-        device_ids=None if ctx.device.type == "cpu" else [ctx.device],
+        device_ids=device_ids,
         bucket_cap_mb=bucket_cap_mb,
-        gradient_as_bucket_view=as_view and not args.ignore_view,
+        gradient_as_bucket_view=as_view,
     )
     clock, spans, buffers, held = Clock(ctx.device), {}, [], {}
 
-    def timed_all_reduce(
-        state, bucket
-    ):  # DDP calls it once per bucket, when the bucket's gradients are ready
+    def timed_all_reduce(state, bucket):  # DDP calls it once per bucket, when its grads are ready
         started, buf, index = clock.now(), bucket.buffer(), bucket.index()
-        ptrs = {
-            p.data_ptr() for p in bucket.parameters()
-        }  # GradBucket.parameters(): the model's own tensors
+        ptrs = {p.data_ptr() for p in bucket.parameters()}  # the model's own tensors
         held[index] = [n for n, p in model.module.named_parameters() if p.data_ptr() in ptrs]
         buffers.append((buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()))
-        if (
-            not args.no_divide
-        ):  # DDP's default divides by the world size too (default_hooks.allreduce_hook)
-            buf.div_(ctx.world_size)
+        buf.div_(ctx.world_size)  # as DDP's own all_reduce does (default_hooks.allreduce_hook)
         fut = dist.all_reduce(buf, async_op=True).get_future()
 
-        def done(
-            fut,
-        ):  # runs when the all_reduce has finished (on a GPU: on a stream that waits for it)
-            layers = dict.fromkeys(
-                n.rsplit(".", 1)[0] for n in held[index]
-            )  # net.6.weight -> net.6
+        def done(fut):  # once the all_reduce has finished (on a GPU: on a stream that waits)
+            layers = dict.fromkeys(n.rsplit(".", 1)[0] for n in held[index])  # net.6.weight: net.6
             spans[f"all_reduce bucket {index}"] = (started, clock.now(), ", ".join(layers))
             return fut.value()[0]
 
@@ -96,9 +76,7 @@ def train(args, ctx, start, x, y, bucket_cap_mb, as_view):
 
     model.register_comm_hook(None, timed_all_reduce)
 
-    def time_backward(
-        name, layer
-    ):  # a layer's backward: from its output's gradient in to its weight's grad
+    def time_backward(name, layer):  # from its output's gradient in to its weight's .grad
         def on_forward(module, inputs, out):
             out.register_hook(lambda grad: spans.update({name: (clock.now(), None, "")}))
 
@@ -125,9 +103,13 @@ def train(args, ctx, start, x, y, bucket_cap_mb, as_view):
     return model.module, timeline, dict(held), in_buckets
 
 
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
 class Clock:
     """Milliseconds since t0: perf_counter on the CPU; on a GPU CUDA events, each recorded on the
-    current stream (it completes when the GPU gets there: torch.cuda.Event), read after a synchronize."""
+    current stream (it completes when the GPU gets there: torch.cuda.Event), read after a
+    synchronize. (torch.Event, the device-generic one, has no CPU backend in torch 2.13.)"""
 
     def __init__(self, device):
         self.cuda, self.t0 = device.type == "cuda", None
@@ -146,14 +128,17 @@ class Clock:
 
 
 def label(cap, as_view):
-    return f"bucket_cap_mb={'default' if cap is None else f'{cap:g}'}, gradient_as_bucket_view={as_view}"
+    cap = "default" if cap is None else f"{cap:g}"
+    return f"bucket_cap_mb={cap}, gradient_as_bucket_view={as_view}"
 
 
 def print_timelines(results, ctx, width=40):
-    """One block per variant: every rank's last backward, one row per layer and per bucket, by start time."""
+    """One block per variant: every rank's last backward, one row per layer and per bucket, by
+    start time."""
     for (cap, as_view), (_, timeline, held, _) in results.items():
         print0(
-            f"\n{label(cap, as_view)}: {len(held)} bucket(s); last step's backward, ms from its start"
+            f"\n{label(cap, as_view)}: {len(held)} bucket(s); last step's backward, ms from its "
+            "start"
         )
         end = max(b for _, b, _ in timeline.values()) or 1.0
         rows = []
@@ -166,16 +151,16 @@ def print_timelines(results, ctx, width=40):
 
 
 def check_timelines(results, start, ctx):
-    """Per variant, on this rank: every parameter in exactly one bucket; with several buckets the first
-    all_reduce starts before the backward is over (overlap: the order of hooks on the autograd thread,
-    not a timing); the gradients live in the bucket buffers exactly when gradient_as_bucket_view is on."""
+    """Per variant, on this rank: every parameter in exactly one bucket; with several buckets the
+    first all_reduce starts before the backward is over (overlap: the order of hooks on the
+    autograd thread, not a timing); the gradients live in the bucket buffers exactly when
+    gradient_as_bucket_view is on."""
     params = [n for n, _ in start.named_parameters()]
     failures = []
     for (cap, as_view), (_, timeline, held, in_buckets) in results.items():
         name = label(cap, as_view)
-        if sorted(held) != list(range(len(held))) or sorted(sum(held.values(), [])) != sorted(
-            params
-        ):
+        every_once = sorted(sum(held.values(), [])) == sorted(params)
+        if sorted(held) != list(range(len(held))) or not every_once:
             failures.append(f"{name}: buckets {held} do not hold every parameter once")
         backward_end = max(b for what, (_, b, _) in timeline.items() if what.startswith("backward"))
         if len(held) > 1 and not timeline["all_reduce bucket 0"][0] < backward_end:
@@ -193,40 +178,37 @@ def check_timelines(results, start, ctx):
 
 
 def check_same_parameters(results, start, x, y, args, ctx):
-    """One process, plain torch, each step on the concatenation of every rank's batch (whose mean loss
-    is the mean of the ranks' mean losses, what DDP's averaged gradient is the gradient of). float32 on
-    one device: the runs differ by summation order only (the all_reduce adds the ranks' gradients in an
-    order of its own), measured 3e-8 at 2 ranks; bound 1e-5, widened if TF32 matmuls are on (toy.fp32_tolerance)."""
+    """One process, plain torch, each step on the concatenation of every rank's batch (whose mean
+    loss is the mean of the ranks' mean losses, what DDP's averaged gradient is the gradient of).
+    float32 on one device: the runs differ by summation order only (the all_reduce adds the ranks'
+    gradients in an order of its own), measured 3e-8 at 2 ranks; bound 1e-5, widened if TF32
+    matmuls are on (toy.fp32_tolerance)."""
     single = copy.deepcopy(start)
     opt = torch.optim.SGD(single.parameters(), lr=args.lr)
     n = ctx.world_size * args.batch
     for step in range(args.steps):
         opt.zero_grad()
-        F.cross_entropy(
-            single(x[step * n : (step + 1) * n]), y[step * n : (step + 1) * n]
-        ).backward()
+        batch = slice(step * n, (step + 1) * n)
+        F.cross_entropy(single(x[batch]), y[batch]).backward()
         opt.step()
     tol, ref = fp32_tolerance(1e-5), flat(single)
-    diffs = {
-        label(*key): (flat(model) - ref).abs().max().item() for key, (model, *_) in results.items()
-    }
+    diffs = {label(*key): (flat(r[0]) - ref).abs().max().item() for key, r in results.items()}
     print0(
         "\n".join(
             f"{name}: max |parameter - one process| {d:.1e} (bound {tol:.0e})"
             for name, d in diffs.items()
         )
     )
-    bad, buckets = (
-        [name for name, diff in diffs.items() if not diff <= tol],
-        [len(r[2]) for r in results.values()],
-    )
+    bad = [name for name, diff in diffs.items() if not diff <= tol]
     if bad:
         raise RuntimeError(
             f"[rank {ctx.rank}] parameters differ from one process's beyond {tol:.0e}: {bad}"
         )
+    buckets = [len(r[2]) for r in results.values()]
     print0(
-        f"OK: {len(results)} DDP variants on {ctx.world_size} rank(s), {min(buckets)} to {max(buckets)} buckets, "
-        f"all train to one process's parameters (max diff {max(diffs.values()):.1e})"
+        f"OK: {len(results)} DDP variants on {ctx.world_size} rank(s), {min(buckets)} to "
+        f"{max(buckets)} buckets, all train to one process's parameters "
+        f"(max diff {max(diffs.values()):.1e})"
     )
 
 
@@ -234,31 +216,27 @@ if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument(
         "--width",
-        type=int,
+        type=int_in(1, 8192),
         default=256,
         help="hidden width (a width x width weight: width^2*4 bytes)",
     )
-    parser.add_argument("--depth", type=int, default=3, help="hidden width x width layers")
+    parser.add_argument(
+        "--depth", type=int_in(0, 16), default=3, help="hidden width x width layers"
+    )
     parser.add_argument(
         "--small-mb",
-        type=float,
+        type=float_in(0, 4096, low_open=True),
         default=0.25,
         help="the small bucket_cap_mb, in MiB (0.25: about one 256 x 256 layer per bucket)",
     )
     parser.add_argument(
-        "--steps", type=int, default=4, help="training steps (the first one builds the buckets)"
+        "--steps",
+        type=int_in(2, 1000),
+        default=4,
+        help="training steps (the first one builds the buckets, the last one is shown)",
     )
-    parser.add_argument("--batch", type=int, default=64, help="examples per rank per step")
-    parser.add_argument("--lr", type=float, default=0.1)
-    broken = test_flags(parser)
-    broken.add_argument(
-        "--no-divide",
-        action="store_true",
-        help="the timing hook sums the gradients, not averages them: the parameters differ",
+    parser.add_argument(
+        "--batch", type=int_in(1, 10**5), default=64, help="examples per rank per step"
     )
-    broken.add_argument(
-        "--ignore-view",
-        action="store_true",
-        help="gradient_as_bucket_view=False everywhere: the grads-in-buckets check fails",
-    )
+    parser.add_argument("--lr", type=float_in(0, 10, low_open=True), default=0.1)
     run(main, parser.parse_args())

@@ -1,14 +1,15 @@
 """Ranks with different numbers of batches: the hang, and the Join context manager that fixes it.
 
-Every backward of a DDP model all_reduces the gradients, a collective that every rank must
-join. If rank 0 runs out of data first, the others wait in that all_reduce for a partner
-that never comes: a hang (until the group's timeout). Here that is shown on a group with a
-short timeout, so it fails after a few seconds instead. Then `Join([model])`: a rank that
-runs out of batches "joins" and shadows the others' all_reduces with zero gradients until
-every rank is done (gradients are divided by the initial world size, as if it sent zeros).
+Every backward of a DDP model all_reduces the gradients, a collective that every rank must join.
+If rank 0 runs out of data first, the others wait in that all_reduce for a partner that never
+comes: a hang (until the group's timeout), shown here on a group with a short timeout. Then
+`Join([model])`: a rank that runs out of batches "joins" and shadows the others' all_reduces
+with zero gradients until every rank is done (gradients are divided by the initial world size).
 
     torchrun --nproc_per_node=3 ddp_basics/ddp_uneven_inputs.py
     python ddp_basics/ddp_uneven_inputs.py --nproc 2 --hang-timeout 2
+
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
 
 Docs: https://pytorch.org/tutorials/advanced/generic_join.html
 """
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from launch.dist_setup import lesson_parser, print0, print_in_order, run
+from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_order, run
 from toy import MLP, fp32_tolerance, make_data
 
 
@@ -39,15 +40,13 @@ def batch(x, y, args, rank, step):
 
 def main(args, ctx):
     ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: run with --nproc_per_node=2 or more")
-    W = ctx.world_size
+    ctx.require(args.hang_timeout < args.timeout, "--hang-timeout must be below --timeout")
     mine = args.batches + ctx.rank  # uneven on purpose: rank 0 has the fewest
-    total = sum(args.batches + r for r in range(W))
-    x, y = make_data(total * args.batch, seed=0)
+    x, y = make_data(sum(args.batches + r for r in range(ctx.world_size)) * args.batch, seed=0)
     torch.manual_seed(0)
     start = MLP(args.width).to(ctx.device)
 
-    # 1. Without Join: a Gloo group with a short timeout, on CPU tensors, so that the wait fails
-    # quickly and cleanly (an NCCL timeout would abort the whole process instead).
+    # 1. Without Join, on a Gloo group (CPU tensors): its short timeout fails cleanly, NCCL's aborts
     short = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.hang_timeout))
     model = DDP(copy.deepcopy(start).cpu(), process_group=short)
     outcome = f"finished its {mine} batches and left"
@@ -56,13 +55,10 @@ def main(args, ctx):
             xb, yb = batch(x, y, args, ctx.rank, step)
             F.cross_entropy(model(xb), yb).backward()
     except RuntimeError as error:  # the ranks still inside the all_reduce of step `batches`
-        outcome = (
-            f"stuck in backward's all_reduce at batch {step}, failed after {args.hang_timeout:g}s: "
-            f"{str(error).strip().splitlines()[0].split('] ')[-1][:70]}"
-        )
+        why = str(error).strip().splitlines()[0].split("] ")[-1][:70]
+        outcome = f"stuck in backward's all_reduce at batch {step}, failed after "
+        outcome += f"{args.hang_timeout:g}s: {why}"
     print_in_order(f"without Join: {outcome}")
-    if ctx.rank > 0 and outcome.startswith("finished"):
-        raise RuntimeError("expected the ranks with more batches to wait and time out")
 
     # 2. With Join: the same uneven loop finishes on every rank.
     model = DDP(copy.deepcopy(start))
@@ -73,12 +69,21 @@ def main(args, ctx):
             F.cross_entropy(model(xb.to(ctx.device)), yb.to(ctx.device)).backward()
             opt.step()
             opt.zero_grad()
-    first = first_batch(ctx.rank, args.batches)
+    first, total = first_batch(ctx.rank, args.batches), len(x) // args.batch
     print_in_order(
         f"with Join: ran its {mine} batches ({first}..{first + mine - 1} of 0..{total - 1}); "
         "joined ranks shadowed the all_reduces they lacked"
     )
+    check_without_join(outcome, ctx)
     check_against_one_process(model, start, x, y, args, ctx)
+
+
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
+def check_without_join(outcome, ctx):
+    if ctx.rank > 0 and outcome.startswith("finished"):
+        raise RuntimeError("expected the ranks with more batches to wait and time out")
 
 
 def check_against_one_process(model, start, x, y, args, ctx):
@@ -87,12 +92,8 @@ def check_against_one_process(model, start, x, y, args, ctx):
     their mean-loss gradient, divided by the initial world size W. Same device and float32
     arithmetic, so only summation order differs: measured 3e-8 on CPU, bound 1e-5."""
     W, B = ctx.world_size, args.batch
-    shares = list(
-        zip(
-            torch.split(x, [(args.batches + r) * B for r in range(W)]),
-            torch.split(y, [(args.batches + r) * B for r in range(W)]),
-        )
-    )
+    sizes = [(args.batches + r) * B for r in range(W)]
+    shares = list(zip(torch.split(x, sizes), torch.split(y, sizes)))
     single = copy.deepcopy(start)
     opt = torch.optim.SGD(single.parameters(), lr=args.lr)
     for step in range(args.batches + W - 1):
@@ -116,20 +117,27 @@ def check_against_one_process(model, start, x, y, args, ctx):
             f"training under Join differs from the single-process computation by {worst:.2e}"
         )
     print0(
-        f"OK: uneven inputs ({args.batches}..{args.batches + W - 1} batches per rank) time out without Join "
-        f"and finish with Join, matching single-process training (max diff {worst:.1e})"
+        f"OK: uneven inputs ({args.batches}..{args.batches + W - 1} batches per rank) time out "
+        "without Join and finish with Join, matching single-process training "
+        f"(max diff {worst:.1e})"
     )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__, min_ranks=2)
     parser.add_argument(
-        "--batches", type=int, default=3, help="batches on rank 0; rank r has batches + r"
+        "--batches",
+        type=int_in(1, 10_000),
+        default=3,
+        help="batches on rank 0; rank r has batches + r",
     )
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--width", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.5)
+    parser.add_argument("--batch", type=int_in(1, 10**5), default=16, help="examples per batch")
+    parser.add_argument("--width", type=int_in(1, 16384), default=32, help="hidden width")
+    parser.add_argument("--lr", type=float_in(0, 10, low_open=True), default=0.5)
     parser.add_argument(
-        "--hang-timeout", type=float, default=3.0, help="seconds before the hang fails"
+        "--hang-timeout",
+        type=float_in(0, 600, low_open=True),
+        default=3.0,
+        help="seconds before the hang fails",
     )
     run(main, parser.parse_args())

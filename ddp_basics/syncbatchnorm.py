@@ -10,6 +10,8 @@ computes the same statistics by hand: one all_reduce of [sum, sum of squares, co
     torchrun --nproc_per_node=3 ddp_basics/syncbatchnorm.py
     python ddp_basics/syncbatchnorm.py --nproc 2 --channels 8
 
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+
 Docs: https://pytorch.org/docs/stable/generated/torch.nn.SyncBatchNorm.html
 """
 
@@ -17,16 +19,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from launch.dist_setup import lesson_parser, print0, print_in_order, run
+from launch.dist_setup import int_in, lesson_parser, print0, print_in_order, run
 
 
 def main(args, ctx):
-    W, C = ctx.world_size, args.channels
-    sizes = [args.batch + r for r in range(W)]  # uneven shares: SyncBatchNorm allows that
-    g = torch.Generator().manual_seed(0)  # CPU generator: the same data on every device
-    full = torch.randn(sum(sizes), C, generator=g, device="cpu") * 3 + torch.arange(
-        C, device="cpu"
-    )  # own means
+    C, sizes = args.channels, [args.batch + r for r in range(ctx.world_size)]  # uneven: allowed
+    g = torch.Generator().manual_seed(0)  # a CPU generator: the same data on every device
+    # each channel its own mean
+    full = torch.randn(sum(sizes), C, generator=g, device="cpu") * 3 + torch.arange(C, device="cpu")
     lo = sum(sizes[: ctx.rank])
     x = full[lo : lo + sizes[ctx.rank]].to(ctx.device)
 
@@ -35,15 +35,10 @@ def main(args, ctx):
         out = bn(x)
         running_mean, running_var = bn[0].running_mean, bn[0].running_var
         how = "nn.SyncBatchNorm"
-    except (
-        ValueError
-    ) as error:  # CPU tensors: "SyncBatchNorm expected input tensor to be on GPU..."
-        print0(
-            f"SyncBatchNorm on {ctx.device.type}: {str(error).splitlines()[0]}; computing it by hand"
-        )
-        stats = torch.stack(
-            [x.sum(0), (x * x).sum(0), torch.full((C,), float(len(x)), device=x.device)]
-        )
+    except ValueError as error:  # CPU tensors: "SyncBatchNorm expected input tensor to be on GPU"
+        print0(f"SyncBatchNorm on {ctx.device.type}: {str(error).splitlines()[0]}; by hand instead")
+        ones = torch.ones(C, device=x.device)
+        stats = torch.stack([x.sum(0), (x * x).sum(0), len(x) * ones])
         dist.all_reduce(stats)  # SUM over ranks: global sum, sum of squares, count
         total, squares, count = stats
         mean = total / count
@@ -51,17 +46,25 @@ def main(args, ctx):
         out = (x - mean) / torch.sqrt(var + 1e-5)  # weight 1, bias 0 at initialisation
         m = 0.1  # BatchNorm's default momentum; running_var keeps the unbiased variance
         running_mean = m * mean
-        running_var = (1 - m) * torch.ones(C, device=x.device) + m * var * count / (count - 1)
+        running_var = (1 - m) * ones + m * var * count / (count - 1)
         how = "all_reduce of [sum, sum of squares, count]"
-
-    # Independent reference: one BatchNorm on the whole global batch, in one process, on ctx.device.
-    ref = nn.BatchNorm1d(C).to(ctx.device)
-    ref_out = ref(full.to(ctx.device))[lo : lo + sizes[ctx.rank]]
-    local_mean = x.mean(0)
     print_in_order(
-        f"{len(x)} rows; channel-0 mean of my rows {local_mean[0].item():+.3f}, "
+        f"{len(x)} rows; channel-0 mean of my rows {x.mean(0)[0].item():+.3f}, "
         f"global {running_mean[0].item() / 0.1:+.3f}"
     )
+    check(out, running_mean, running_var, full, lo, how, sizes, ctx)
+
+
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
+def check(out, running_mean, running_var, full, lo, how, sizes, ctx):
+    """Independent reference: one BatchNorm on the whole global batch, in one process, on
+    ctx.device. Same device, float32: the statistics differ by summation order only (sums over
+    ranks, or SyncBatchNorm's per-rank Welford merge, vs one pass), values |x| < ~15: about 1e-6;
+    bound 1e-4."""
+    ref = nn.BatchNorm1d(full.shape[1]).to(ctx.device)
+    ref_out = ref(full.to(ctx.device))[lo : lo + sizes[ctx.rank]]
     diffs = [
         (out.detach() - ref_out.detach()).abs().max().item(),
         (running_mean - ref.running_mean).abs().max().item(),
@@ -71,20 +74,23 @@ def main(args, ctx):
         f"max diff against BatchNorm on the whole batch: output {diffs[0]:.1e}, "
         f"running mean {diffs[1]:.1e}, running var {diffs[2]:.1e}"
     )
-    # Same device, float32: the statistics differ by summation order only (sums over ranks, or
-    # SyncBatchNorm's per-rank Welford merge, vs one pass), values |x| < ~15: about 1e-6; bound 1e-4.
     if not max(diffs) <= 1e-4:
         raise RuntimeError(
-            f"statistics over {W} ranks differ from those of the whole batch: {diffs}"
+            f"statistics over {ctx.world_size} ranks differ from those of the whole batch: {diffs}"
         )
     print0(
-        f"OK: batch statistics over {W} ranks ({how}) equal BatchNorm on the whole "
+        f"OK: batch statistics over {ctx.world_size} ranks ({how}) equal BatchNorm on the whole "
         f"batch of {sum(sizes)} rows (max diff {max(diffs):.1e})"
     )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--batch", type=int, default=6, help="rows on rank 0; rank r has batch + r")
-    parser.add_argument("--channels", type=int, default=4)
+    parser.add_argument(
+        "--batch",
+        type=int_in(2, 10**6),
+        default=6,
+        help="rows on rank 0; rank r has batch + r (2 or more: a variance needs two)",
+    )
+    parser.add_argument("--channels", type=int_in(1, 4096), default=4, help="features per row")
     run(main, parser.parse_args())

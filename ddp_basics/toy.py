@@ -17,9 +17,8 @@ from torch import nn
 
 def make_data(n, seed=0, classes=4, noise=0.15):
     """n points (x: float32 [n, 2], y: int64 [n]) on `classes` spirals."""
-    g = torch.Generator().manual_seed(
-        seed
-    )  # on the CPU: the same data on every device; callers .to(device)
+    # on the CPU: the same data on every device; callers .to(device)
+    g = torch.Generator().manual_seed(seed)
     y = torch.randint(0, classes, (n,), generator=g, device="cpu")
     t = torch.rand(n, generator=g, device="cpu") * 2.5 + 0.25  # radius and angle grow together
     angle = t * 2.0 + y.float() * (2 * math.pi / classes)
@@ -42,7 +41,7 @@ class MLP(nn.Module):
 
 
 def fp32_tolerance(tol):
-    """`tol` for two float32 trainings compared on one device, widened if float32 matmuls are not IEEE.
+    """`tol` for two float32 trainings on one device, widened if float32 matmuls are not IEEE.
 
     Both runs round alike only up to summation order (a few ulp per step), which `tol` covers at
     torch's default precision "highest" (IEEE float32 matmuls on CPU and GPU). With TF32 switched on
@@ -52,9 +51,8 @@ def fp32_tolerance(tol):
     (to first order): the bound scales the same way. Source: torch.get_float32_matmul_precision and
     https://pytorch.org/docs/stable/notes/cuda.html#tensorfloat-32-tf32-on-ampere-and-later-devices
     """
-    return (
-        tol * {"highest": 1, "high": 2**13, "medium": 2**16}[torch.get_float32_matmul_precision()]
-    )
+    widen = {"highest": 1, "high": 2**13, "medium": 2**16}
+    return tol * widen[torch.get_float32_matmul_precision()]
 
 
 def accuracy(model, x, y):
@@ -63,12 +61,12 @@ def accuracy(model, x, y):
 
 
 def sampler_order(n, world_size, rank, seed, epoch):
-    """What DistributedSampler(shuffle=True, seed=seed, drop_last=False) hands `rank` in `epoch`, by
-    hand (torch/utils/data/distributed.py, torch 2.13): a permutation seeded with seed + epoch,
-    padded by wrapping to a multiple of world_size, then every world_size-th index from `rank` on."""
-    order = torch.randperm(
-        n, generator=torch.Generator().manual_seed(seed + epoch), device="cpu"
-    ).tolist()
+    """What DistributedSampler(shuffle=True, seed=seed, drop_last=False) hands `rank` in `epoch`,
+    by hand (torch/utils/data/distributed.py, torch 2.13): a permutation seeded with seed + epoch,
+    padded by wrapping to a multiple of world_size, then every world_size-th index from `rank`
+    on."""
+    g = torch.Generator().manual_seed(seed + epoch)
+    order = torch.randperm(n, generator=g, device="cpu").tolist()
     order += order[: -(-n // world_size) * world_size - n]
     return order[rank::world_size]
 

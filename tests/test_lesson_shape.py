@@ -38,6 +38,8 @@ LONGER = {
     ),
     "transformer_basics/train_cp.py": (125, "a GPT training script: dp x cp mesh, ring attention"),
     "transformer_basics/train_moe.py": (120, "a GPT training script: MoE blocks, dp x ep mesh"),
+    "ddp_basics/ddp_checkpoint.py": (160, "save, load and the resumable job that uses them"),
+    "ddp_basics/ddp_overlap.py": (110, "timing hooks on autograd and on DDP's buckets: the lesson"),
 }
 
 

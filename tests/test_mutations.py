@@ -98,7 +98,140 @@ PRIMITIVES = [
 
 
 # ---------------------------------------------------------------------------------- ddp_basics/
-DDP_BASICS = []
+# ddp_checkpoint writes its checkpoint beside the mutated copy (in pytest's tmp_path), not in --out
+CHECKPOINT_IN_COPY = (
+    'path = os.path.join(args.out, "ddp_checkpoint.pt")',
+    'path = os.path.join(os.path.dirname(__file__), "ddp_checkpoint.pt")',
+)
+DDP_BASICS = [
+    Mutation(
+        "ddp_minimal-forward-bypasses-ddp",
+        "ddp_basics/ddp_minimal.py",
+        [("F.cross_entropy(model(xb), yb)", "F.cross_entropy(model.module(xb), yb)")],
+        "ranks disagree (params",
+        args=("--epochs", "1"),
+    ),
+    Mutation(
+        "ddp_minimal-no-set-epoch",
+        "ddp_basics/ddp_minimal.py",
+        [("        sampler.set_epoch(epoch)  # a new shuffle each epoch\n", "")],
+        "DDP training differs from single-process training",
+        args=("--epochs", "2"),
+    ),
+    Mutation(
+        "ddp_minimal-evaluation-sums-not-all-reduced",
+        "ddp_basics/ddp_minimal.py",
+        [("dist.all_reduce(sums)  # every rank", "(sums)  # every rank")],
+        "all_reduced metric",
+        args=("--epochs", "1"),
+    ),
+    Mutation(
+        "manual_data_parallel-gradients-not-averaged",
+        "ddp_basics/manual_data_parallel.py",
+        [
+            (
+                "dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)\n"
+                "                    p.grad /= ctx.world_size",
+                "pass",
+            )
+        ],
+        "ranks hold different params",
+        args=("--epochs", "1"),
+        quick=True,
+    ),
+    Mutation(
+        "manual_data_parallel-sum-not-divided",
+        "ddp_basics/manual_data_parallel.py",
+        [("p.grad /= ctx.world_size", "pass")],
+        "params differ from single-process training",
+        args=("--epochs", "1"),
+    ),
+    Mutation(
+        "manual_data_parallel-no-broadcast",
+        "ddp_basics/manual_data_parallel.py",
+        [("dist.broadcast(p.data, src=0)", "pass")],
+        "ranks hold different params",
+        args=("--epochs", "1"),
+    ),
+    Mutation(
+        "ddp_checkpoint-optimizer-not-restored",
+        "ddp_basics/ddp_checkpoint.py",
+        [CHECKPOINT_IN_COPY, ('opt.load_state_dict(ckpt["optimizer"])', "pass")],
+        "the resumed run differs from the uninterrupted run",
+    ),
+    Mutation(
+        "ddp_checkpoint-scheduler-not-restored",
+        "ddp_basics/ddp_checkpoint.py",
+        [CHECKPOINT_IN_COPY, ('sched.load_state_dict(ckpt["scheduler"])', "pass")],
+        "the resumed run differs from the uninterrupted run",
+    ),
+    Mutation(
+        "ddp_checkpoint-rng-not-restored",
+        "ddp_basics/ddp_checkpoint.py",
+        [
+            CHECKPOINT_IN_COPY,
+            ('torch.set_rng_state(ckpt["rng"]["cpu"][ctx.rank].cpu().clone())', "pass"),
+        ],
+        "the resumed run differs from the uninterrupted run",
+    ),
+    Mutation(
+        "ddp_grad_accumulation-loss-not-divided",
+        "ddp_basics/ddp_grad_accumulation.py",
+        # 20 spaces: the line under no_sync (the one of the last micro-batch has 16)
+        [
+            (
+                " " * 20 + "loss = F.cross_entropy(model(xb), yb) / args.accum",
+                " " * 20 + "loss = F.cross_entropy(model(xb), yb)",
+            )
+        ],
+        "accumulated DDP training differs from the large batch",
+    ),
+    Mutation(
+        "ddp_grad_accumulation-no-sync-left-out",
+        "ddp_basics/ddp_grad_accumulation.py",
+        [("with model.no_sync():", "if True:")],
+        "fewer all_reduces with no_sync",
+    ),
+    Mutation(
+        "ddp_mixed_precision-clip-before-unscale",
+        "ddp_basics/ddp_mixed_precision.py",
+        [("scaler.unscale_(opt)  # true gradients", "pass  # true gradients")],
+        "fp16 autocast + GradScaler ends",
+    ),
+    Mutation(
+        "distributed_eval-padding-not-masked",
+        "ddp_basics/distributed_eval.py",
+        [("real = positions < len(dataset)", "real = positions >= 0")],
+        "differ from one process's",
+        nproc=3,
+        quick=True,
+    ),
+    Mutation(
+        "ddp_overlap-hook-sums-not-averages",
+        "ddp_basics/ddp_overlap.py",
+        [("buf.div_(ctx.world_size)", "pass")],
+        "parameters differ from one process's beyond 1e-05",
+    ),
+    Mutation(
+        "ddp_overlap-bucket-view-left-out",
+        "ddp_basics/ddp_overlap.py",
+        [("gradient_as_bucket_view=as_view,", "gradient_as_bucket_view=False,")],
+        "bucket_cap_mb=0.25, gradient_as_bucket_view=True: gradients inside the bucket buffers: []",
+    ),
+    Mutation(
+        "syncbatchnorm-by-hand-not-all-reduced",
+        "ddp_basics/syncbatchnorm.py",
+        [("dist.all_reduce(stats)  # SUM over ranks", "(stats)  # SUM over ranks")],
+        "differ from those of the whole batch",
+    ),
+    Mutation(
+        "benchmark_ddp-buckets-summed-not-averaged",
+        "ddp_basics/benchmark_ddp.py",
+        [("flat /= dist.get_world_size()", "pass")],
+        "(b) flat buckets by hand: parameters differ from one-process training",
+        args=("--steps", "3", "--warmup", "1"),
+    ),
+]
 
 
 # ---------------------------------------------------------------------------------- fsdp_basics/

@@ -1,8 +1,7 @@
-"""Elastic training with torchrun: a rank dies and the job resumes; a node joins and the world
-grows. Either way torchrun stops every worker, runs a new rendezvous and starts them all again,
-RANK and WORLD_SIZE possibly changed: so the job checkpoints every step and resumes from its last
-checkpoint at whatever world size it gets. Each step folds in an all_reduced sum of integers
-(exact), so the final state must equal a serial computation bit for bit, whatever failed.
+"""Elastic torchrun: a rank dies and the job resumes; a node joins and the world grows. Either
+way torchrun stops every worker, rendezvous again and restarts them all (RANK, WORLD_SIZE may
+change): so the job checkpoints every step and resumes at whatever world size it gets. Each step
+adds an all_reduced sum of integers (exact): the result must equal a serial computation exactly.
 
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1     # needed for restarts in torch 2.5+, see below
     torchrun --nnodes=1:2 --nproc_per_node=2 --max-restarts=1 --rdzv-backend=c10d \\
@@ -64,12 +63,13 @@ def save_atomically(state, path):
 def load_checkpoint(path, steps):
     if not os.path.exists(path):
         return {"step": 0, "w": 1, "world_sizes": []}
-    try:
+    try:  # another lesson's file or a corrupt one: one line, not a traceback
         state = torch.load(path, weights_only=True, map_location="cpu")
-        if state["step"] > steps:
-            raise ValueError(f"it is at step {state['step']}, past --steps {steps}")
-    except Exception as error:  # another lesson's file, a corrupt one, one of a longer run
-        raise UsageError(f"{path} is not a checkpoint to resume ({error}): remove it") from None
+        at = state["step"]
+    except Exception as error:
+        raise UsageError(f"{path}: not elastic.py's checkpoint ({type(error).__name__})") from None
+    if at > steps:
+        raise UsageError(f"{path} is at step {at}, past --steps {steps}: remove it")
     return state
 
 

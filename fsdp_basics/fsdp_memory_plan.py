@@ -219,7 +219,7 @@ if __name__ == "__main__":
         default=4096,
         help="tokens per rank per step, for the activations",
     )
-    # The fake group's set-up grows with N (measured on CPU: ~1.5 s at 1024, ~30 s at 16384).
+    # The fake group's set-up grows with N (measured on CPU: ~1.5 s at 1024, ~34 s at 16384).
     parser.add_argument(
         "--max-ranks",
         type=int_in(8, 8192),

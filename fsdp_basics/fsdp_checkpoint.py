@@ -10,7 +10,8 @@ exports the full state dict, which a plain model loads with torch.load(weights_o
 
     torchrun --nproc_per_node=4 fsdp_basics/fsdp_checkpoint.py --stop-at 4    # save, stop
     torchrun --nproc_per_node=2 fsdp_basics/fsdp_checkpoint.py --resume       # reshard, go on
-    python fsdp_basics/fsdp_checkpoint.py --nproc 4 --stop-at 6 --crash-during-save  # then --resume
+
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
 
 Docs: https://pytorch.org/docs/stable/distributed.checkpoint.html
 """
@@ -32,52 +33,45 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from launch.dist_setup import lesson_parser, print0, run, test_flags
+from launch.dist_setup import float_in, int_in, lesson_parser, print0, run
 from toy import BlockMLP, make_data, rank_batch, train_one_process
 
 
-def save(model, opt, step, root, ctx, crash):
-    """Write step_<step> next to the previous checkpoints, then point `latest` at it (a collective)."""
+def save(model, opt, step, root, ctx):
+    """Write step_<step> next to the previous checkpoints, then point `latest` at it (a
+    collective)."""
     name, latest = f"step_{step:06d}", root / "latest"
     tmp = root / f"{name}.tmp"
     if ctx.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # what a crashed save left behind
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(
-        model, opt
-    )  # this rank's shards, under the model's plain names
+    model_sd, optim_sd = get_state_dict(model, opt)  # my shards, under the model's plain names
     dcp.save(
         {"model": model_sd, "optim": optim_sd, "step": step, "world_size": ctx.world_size},
         checkpoint_id=tmp,
     )
-    if crash:
-        raise RuntimeError(
-            f"simulated crash during save: {tmp.name} written, `latest` still names the previous one"
-        )
     dist.barrier()  # every rank's files are complete before the directory is published
     if ctx.rank == 0:
         shutil.rmtree(root / name, ignore_errors=True)  # a stale copy, never the one `latest` names
         os.replace(tmp, root / name)
         (root / "latest.tmp").write_text(name)
-        os.replace(
-            root / "latest.tmp", latest
-        )  # the commit point: before it the old one is current
+        os.replace(root / "latest.tmp", latest)  # the commit point: before it, the old one counts
         for old in sorted(root.glob("step_??????"))[:-2]:  # keep this one and the one before
             shutil.rmtree(old)
     dist.barrier()
     print0(f"saved {name} at {ctx.world_size} ranks")
 
 
-def load(model, opt, root):
-    """Read the checkpoint `latest` names into this rank's shards, whatever N wrote it; return its step."""
+def load(model, opt, root, ctx):
+    """Read the checkpoint `latest` names into this rank's shards, whatever N wrote it; return
+    its step."""
     name = (root / "latest").read_text().strip()
-    model_sd, optim_sd = get_state_dict(
-        model, opt
-    )  # the shapes and shards to fill, at this world size
+    model_sd, optim_sd = get_state_dict(model, opt)  # the shards to fill, at this world size
+    check_checkpoint_fits(root / name, model_sd, ctx)  # a one-line error if it does not
     state = {"model": model_sd, "optim": optim_sd, "step": 0, "world_size": 0}
     dcp.load(state, checkpoint_id=root / name)  # each rank reads the slices it owns now, in place
-    # The tensors above are the model's own shards, already filled; set_state_dict is still the documented
-    # last step (post-processing, non-tensor values: dcp.load's docstring, torch 2.13).
+    # The tensors above are the model's own shards, already filled; set_state_dict is still the
+    # documented last step (post-processing, non-tensor values: dcp.load's docstring, torch 2.13).
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     print0(
         f"resumed from {name} (written by {state['world_size']} ranks) at step {state['step']} "
@@ -90,9 +84,7 @@ def start_fresh(root, ctx):
     """No checkpoint of an earlier run in `root` may be mistaken for this run's."""
     if ctx.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        (root / "latest").unlink(
-            missing_ok=True
-        )  # first, so that no pointer names a deleted directory
+        (root / "latest").unlink(missing_ok=True)  # first: no pointer names a deleted directory
         for old in root.glob("step_*"):
             shutil.rmtree(old)
     dist.barrier()
@@ -112,16 +104,13 @@ def main(args, ctx):
     torch.manual_seed(0)  # the same initial model on every rank (drawn on the CPU, then moved)
     model = BlockMLP(args.width, args.depth).to(ctx.device)
 
-    mesh = init_device_mesh(
-        ctx.device.type, (ctx.world_size,)
-    )  # without it FSDP picks the accelerator
+    # Without a mesh FSDP builds one for the accelerator, even when this run is on the CPU.
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     for block in model.blocks:
-        fully_shard(
-            block, mesh=mesh
-        )  # its parameters become DTensors, Shard(0) (see fsdp_minimal.py)
+        fully_shard(block, mesh=mesh)  # its parameters become DTensors, Shard(0) (fsdp_minimal.py)
     fully_shard(model, mesh=mesh)  # the root: inp and head
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)  # after fully_shard: it sees the shards
-    start = load(model, opt, root) if args.resume else start_fresh(root, ctx)
+    start = load(model, opt, root, ctx) if args.resume else start_fresh(root, ctx)
     ctx.require(
         start < stop,
         f"--resume: the checkpoint is at step {start}, nothing left before step {stop}",
@@ -133,11 +122,10 @@ def main(args, ctx):
         opt.step()
         opt.zero_grad()
         if (step + 1) % args.save_every == 0 or step + 1 == stop:
-            save(model, opt, step + 1, root, ctx, crash=args.crash_during_save and step + 1 == stop)
+            save(model, opt, step + 1, root, ctx)
     # The full model on rank 0 only, in CPU memory: what a plain single-process user loads.
-    full = get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_model_state_dict(model, options=options)
     if ctx.rank == 0:
         torch.save(full, root / "model.pt.tmp")
         os.replace(root / "model.pt.tmp", root / "model.pt")  # a reader never sees half a file
@@ -146,20 +134,45 @@ def main(args, ctx):
     print0(
         f"OK: trained steps {start}..{stop - 1} on {ctx.world_size} ranks"
         + " after resuming" * args.resume
-        + f"; the exported full state dict loads into a plain model and matches an uninterrupted run "
-        f"(max diff {diff:.1e})"
+        + "; the exported full state dict loads into a plain model and matches an uninterrupted "
+        f"run (max diff {diff:.1e})"
+    )
+
+
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
+def check_checkpoint_fits(path, model_sd, ctx):
+    """Stop every rank with one line when `path` is no DCP checkpoint, or holds a model of other
+    shapes (dcp.load would raise a CheckpointException from every rank): its .metadata file lists
+    each saved tensor's global size under its flattened name ("model.blocks.0.fc.weight")."""
+    try:
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as error:  # no .metadata (FileNotFoundError), or not one of DCP's
+        ctx.require(False, f"--resume: {path} is not a DCP checkpoint ({type(error).__name__})")
+    here = {f"model.{k}": tuple(v.shape) for k, v in model_sd.items()}
+    there = {k: tuple(v.size) for k, v in saved.items() if k in here or k.startswith("model.")}
+    differ = [
+        f"{k[6:]} {there.get(k, 'missing')} there, {here.get(k, 'missing')} here"
+        for k in sorted(here.keys() | there.keys())
+        if here.get(k) != there.get(k)
+    ]
+    ctx.require(
+        not differ,
+        f"--resume: {path} holds another model: {'; '.join(differ[:2])}"
+        + (f" (and {len(differ) - 2} more)" if len(differ) > 2 else ""),
     )
 
 
 def check_export_matches_one_process(export, x, y, stop, args, ctx):
-    """Rank 0 loads the export into a plain model and compares it with one process trained `stop` steps
-    without a stop. Same device: only the order of float32 sums differs (N per-rank batches averaged by
-    reduce_scatter against one full batch), ~1e-7 after the default 8 steps, hence --tol 1e-5."""
+    """Rank 0 loads the export into a plain model and compares it with one process trained `stop`
+    steps without a stop. Same device: only the order of float32 sums differs (N per-rank batches
+    averaged by reduce_scatter against one full batch), ~1e-7 after the default 8 steps, hence
+    --tol 1e-5."""
     diff = torch.zeros(1, device=ctx.device)  # broadcast below: on the device the backend takes
     if ctx.rank == 0:
-        plain = BlockMLP(args.width, args.depth).to(
-            ctx.device
-        )  # load_state_dict copies the CPU tensors in
+        # load_state_dict copies the CPU tensors in
+        plain = BlockMLP(args.width, args.depth).to(ctx.device)
         plain.load_state_dict(torch.load(export, map_location="cpu", weights_only=True))
         torch.manual_seed(0)
         reference = BlockMLP(args.width, args.depth).to(ctx.device)
@@ -169,8 +182,9 @@ def check_export_matches_one_process(export, x, y, stop, args, ctx):
         )
         checksum = sum(p.double().abs().sum().item() for p in plain.parameters())
         print(
-            f"exported {export} ({export.stat().st_size:,} B); step {stop} params checksum {checksum:.6f}; "
-            f"max |param - uninterrupted single process| {diff.item():.2e} (tolerance {args.tol:g})",
+            f"exported {export} ({export.stat().st_size:,} B); step {stop} params checksum "
+            f"{checksum:.6f}; max |param - uninterrupted single process| {diff.item():.2e} "
+            f"(tolerance {args.tol:g})",
             flush=True,
         )
     dist.broadcast(diff, src=0)  # every rank fails together if the check fails
@@ -187,26 +201,31 @@ if __name__ == "__main__":
     parser.add_argument(
         "--resume", action="store_true", help="go on from the checkpoint `latest` names"
     )
-    parser.add_argument("--steps", type=int, default=8, help="steps of the whole training")
+    parser.add_argument(
+        "--steps", type=int_in(1, 10_000), default=8, help="steps of the whole training"
+    )
     parser.add_argument(
         "--stop-at",
-        type=int,
+        type=int_in(0, 10_000),
         default=0,
         help="stop after this step, as if interrupted (0: --steps)",
     )
     parser.add_argument(
-        "--save-every", type=int, default=2, help="save every N steps (and at the stop)"
+        "--save-every",
+        type=int_in(1, 10_000),
+        default=2,
+        help="save every N steps (and at the stop)",
     )
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--width", type=int_in(1, 4096), default=64)
+    parser.add_argument("--depth", type=int_in(1, 64), default=2)
     parser.add_argument(
-        "--batch", type=int, default=48, help="global batch, divisible by the world size"
+        "--batch", type=int_in(1, 65536), default=48, help="global batch, divisible by N"
     )
-    parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--tol", type=float, default=1e-5)
-    test_flags(parser).add_argument(
-        "--crash-during-save",
-        action="store_true",
-        help="raise in the last save after dcp.save wrote step_N.tmp, before publishing it",
+    parser.add_argument("--lr", type=float_in(0, 10, low_open=True), default=1e-2)
+    parser.add_argument(
+        "--tol",
+        type=float_in(0, 1, low_open=True),
+        default=1e-5,
+        help="largest |param - uninterrupted one process|",
     )
     run(main, parser.parse_args())

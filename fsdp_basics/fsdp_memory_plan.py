@@ -1,25 +1,28 @@
 """Planning FSDP memory for 8..1024 ranks you do not have: a fake process group in one process.
 
-torch's tests ship a fake backend (torch/testing/_internal/distributed/fake_pg.py: a testing API, no
-stability promise): `init_process_group("fake", store=FakeStore(), rank=r, world_size=N)` gives one
-process the view of rank r of N. Nothing is sent: every collective returns at once, all_reduce and
-broadcast leave the tensors as they were, all_gather copies the local input into every slot and
-reduce_scatter keeps the local input's own chunk (FakeProcessGroup.hpp). `fully_shard` only needs the
-mesh's size and rank to cut its shards, so a model built on the meta device (shapes, no memory) can be
-sharded N ways for any N, and each rank's shards read. That runs in a fresh child process: a
-process holds one default group, and this one holds the real one.
-With the real ranks it shards a small model for real and checks that each rank holds, after a step,
-exactly the bytes the plan predicted. Then what FSDP does not shard: activations, per token.
+torch's tests ship a fake backend (torch/testing/_internal/distributed/fake_pg.py: a testing API,
+no stability promise): `init_process_group("fake", store=FakeStore(), rank=r, world_size=N)` gives
+one process the view of rank r of N. Nothing is sent: every collective returns at once (all_gather
+copies the local input into every slot, reduce_scatter keeps its own chunk: FakeProcessGroup.hpp).
+`fully_shard` only needs the mesh's size and rank to cut its shards, so a model built on the meta
+device (shapes, no memory) can be sharded N ways for any N, and each rank's shards read. That runs
+in a fresh child process: a process holds one default group, and this one holds the real one. The
+real ranks shard a small model for real and check that each holds, after a step, exactly the
+bytes the plan predicted. Then what FSDP does not shard: activations, per token.
 
     torchrun --nproc_per_node=4 fsdp_basics/fsdp_memory_plan.py
     python fsdp_basics/fsdp_memory_plan.py --nproc 3 --width 8192 --depth 48 --tokens 8192
 
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+
 Docs: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
-      https://pytorch.org/docs/stable/meta.html, https://pytorch.org/docs/stable/autograd.html#saved-tensors-hooks
+      https://pytorch.org/docs/stable/meta.html
+      https://pytorch.org/docs/stable/autograd.html#saved-tensors-hooks
 """
 
 import math
 import multiprocessing
+import time
 from concurrent.futures import ProcessPoolExecutor
 
 import torch
@@ -28,63 +31,46 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore  # testing API (see above)
 
-from launch.dist_setup import lesson_parser, print0, run, test_flags
+from launch.dist_setup import int_in, lesson_parser, print0, run
 from toy import Block, BlockMLP, make_data, step_bytes
 
 
-def plan(width, depth, ranks_of, shard=True):
-    """{(N, r): [param, grad, Adam bytes] rank r of N will hold}, for (N, r) in ranks_of. Call it in a
-    process that has no process group (see main): each (N, r) gets a fake default group of its own."""
-    held = {}
-    for n, r in ranks_of:
-        dist.init_process_group(
-            "fake", store=FakeStore(), rank=r, world_size=n
-        )  # no peers, no memory
+def plan(width, depth, ranks_of):
+    """{(N, r): [param, grad, Adam bytes] rank r of N will hold}, for (N, r) in ranks_of. Call it in
+    a process that has no process group (see main): each (N, r) gets a fake default group."""
+    held, begun = {}, time.monotonic()
+    for i, (n, r) in enumerate(ranks_of):
+        dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=n)  # no peers
         try:
             with torch.device("meta"):
-                model = BlockMLP(width, depth)
+                planned = BlockMLP(width, depth)
             mesh = init_device_mesh(
                 "cpu", (n,)
             )  # the plan's mesh: only its size and our rank matter
-            if shard:  # the taught step: per block, then the root, as for real
-                for block in model.blocks:
-                    fully_shard(block, mesh=mesh)
-                fully_shard(model, mesh=mesh)
-            shards = [
-                p.to_local() if shard else p for p in model.parameters()
-            ]  # rank r's rows, on meta
-            # FSDP2 stores each shard padded to ceil(rows / N) rows (a meta storage still knows its size);
-            # its gradients are views of one reduce_scatter output of padded shards (_fsdp_collectives.py).
+            for block in planned.blocks:  # the taught step: per block, then the root, as for real
+                fully_shard(block, mesh=mesh)
+            fully_shard(planned, mesh=mesh)
+            shards = [p.to_local() for p in planned.parameters()]  # rank r's rows, on meta
+            # FSDP2 stores each shard padded to ceil(rows / N) rows (a meta storage knows its
+            # size); its gradients are views of one reduce_scatter output of padded shards
+            # (_fsdp_collectives.py). Adam: exp_avg and exp_avg_sq are zeros_like(param), the
+            # unpadded local shard, plus a float32 `step` per parameter (torch/optim/adam.py).
             stored = sum(s.untyped_storage().nbytes() for s in shards)
-            # Adam: exp_avg and exp_avg_sq are zeros_like(param), the unpadded local shard, plus a
-            # float32 `step` per parameter (torch/optim/adam.py, _init_group).
             held[n, r] = [stored, stored, sum(2 * s.numel() * s.element_size() + 4 for s in shards)]
         finally:
             dist.destroy_process_group()
+        took = time.monotonic() - begun  # the fake group's set-up grows with N: say where we are
+        print(f"planned rank {r} of {n} ({i + 1} of {len(ranks_of)}, {took:.1f} s)", flush=True)
     return held
 
 
 def main(args, ctx):
-    ctx.require(
-        args.width >= 1 and args.depth >= 1 and args.tokens >= 1 and args.real_width >= 1,
-        "--width, --depth, --tokens and --real-width must be at least 1",
-    )
-    ctx.require(args.max_ranks >= 8, f"--max-ranks must be at least 8, got {args.max_ranks}")
     sizes = [2**k for k in range(3, int(math.log2(args.max_ranks)) + 1)]  # 8, 16, ..., max
-    if (
-        ctx.rank == 0
-    ):  # the planner: a fresh process (spawn), where the fake group can be the default one
+    if ctx.rank == 0:  # the planner: a fresh process (spawn), where the fake group is the default
         planner = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        big = planner.submit(
-            plan, args.width, args.depth, [(n, 0) for n in sizes], not args.no_shard
-        )
-        small = planner.submit(
-            plan,
-            args.real_width,
-            2,
-            [(ctx.world_size, r) for r in range(ctx.world_size)],
-            not args.no_shard,
-        )
+        big = planner.submit(plan, args.width, args.depth, [(n, 0) for n in sizes])
+        ranks = [(ctx.world_size, r) for r in range(ctx.world_size)]
+        small = planner.submit(plan, args.real_width, 2, ranks)
     # Meanwhile the real thing, at this world size: the small model sharded for real, one Adam step.
     model = BlockMLP(args.real_width, 2).to(ctx.device)
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
@@ -95,16 +81,12 @@ def main(args, ctx):
     measured = step_bytes(model, torch.optim.Adam(model.parameters(), lr=1e-3), x, y)
     held = [None] * ctx.world_size if ctx.rank == 0 else None
     dist.gather_object(measured, held, dst=0)  # pickles: fine between our own ranks
-    if (
-        ctx.rank != 0
-    ):  # done: only rank 0 waits for the planner, so no collective can time out meanwhile
+    if ctx.rank != 0:  # done: only rank 0 waits for the planner, so no collective can time out
         return
     big, small = big.result(), small.result()
     planner.shutdown()
-    # Activations, which FSDP does not shard: what one block keeps for backward, at three token counts.
-    activations = saved_for_backward(
-        Block(args.real_width).to(ctx.device), (16, 32, 64), ctx, args.count_params
-    )
+    # Activations, which FSDP does not shard: what one block keeps for backward, per token count.
+    activations = saved_for_backward(Block(args.real_width).to(ctx.device), (16, 32, 64), ctx)
     failures = check_activations(activations, args.real_width)
     print_plan(big, args, sizes)
     failures += check_plan_against_formula(big, args.width, args.depth, sizes)
@@ -113,14 +95,39 @@ def main(args, ctx):
         raise RuntimeError("; ".join(failures))
     print0(
         f"OK: fully_shard on a fake group planned {args.depth} blocks of width {args.width} for "
-        f"{sizes[0]}..{sizes[-1]} ranks as the ceil-rows formula says, and predicted to the byte what each "
-        f"of {ctx.world_size} real ranks holds after a step; activations, which FSDP does not shard, are "
-        f"8 x width B per token and block"
+        f"{sizes[0]}..{sizes[-1]} ranks as the ceil-rows formula says, and predicted to the byte "
+        f"what each of {ctx.world_size} real ranks holds after a step; activations, which FSDP "
+        f"does not shard, are 8 x width B per token and block"
     )
 
 
+def saved_for_backward(block, token_counts, ctx):
+    """[(tokens, bytes)]: what autograd keeps for backward in one forward of block, its parameters
+    left out (the weight is saved for the input's gradient, but it is no activation)."""
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    seen = []
+    for tokens in token_counts:
+        saved = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        # requires_grad, as inside a model: then the weight is saved too (left out above)
+        x = torch.randn(tokens, block.fc.in_features, device=ctx.device, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            block(x).sum().backward()
+        seen.append((tokens, sum(saved.values())))
+    return seen
+
+
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
 def formula(width, depth, n, r):
-    """Rank r of N, by hand: dim 0 cut in chunks of ceil(rows/N) rows (torch.chunk), storage padded to one."""
+    """Rank r of N, by hand: dim 0 cut in chunks of ceil(rows/N) rows (torch.chunk), each rank's
+    storage padded to one chunk."""
     with torch.device("meta"):
         shapes = [p.shape for p in BlockMLP(width, depth).parameters()]
     held = [0, 0, 0]
@@ -155,32 +162,9 @@ def check_plan_against_real_run(small, held, ctx):
     ]
 
 
-def saved_for_backward(block, token_counts, ctx, count_params=False):
-    """[(tokens, bytes)]: what autograd keeps for backward in one forward of block, parameters left out."""
-    params = set() if count_params else {p.untyped_storage().data_ptr() for p in block.parameters()}
-    seen = []
-    for tokens in token_counts:
-        saved = {}
-
-        def pack(t):
-            if (
-                t.untyped_storage().data_ptr() not in params
-            ):  # the weight (saved for x's grad) is no activation
-                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        x = torch.randn(
-            tokens, block.fc.in_features, device=ctx.device, requires_grad=True
-        )  # as inside a model
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            block(x).sum().backward()
-        seen.append((tokens, sum(saved.values())))
-    return seen
-
-
 def check_activations(seen, width):
-    """8 B per token and width unit: the fp32 input of the Linear (addmm saves it for the weight's grad)
-    and the output of tanh (its backward uses it); the residual add saves nothing
+    """8 B per token and width unit: the fp32 input of the Linear (addmm saves it for the weight's
+    grad) and the output of tanh (its backward uses it); the residual add saves nothing
     (torchgen/packaged/autograd/derivatives.yaml, in the wheel). Byte counts: equal, not close."""
     print0(
         f"one Block of width {width} keeps for backward: "
@@ -195,13 +179,12 @@ def check_activations(seen, width):
 def print_plan(big, args, sizes):
     with torch.device("meta"):
         n_params = sum(p.numel() for p in BlockMLP(args.width, args.depth).parameters())
-    gib, acts = (
-        2**30,
-        8 * args.width * args.tokens * args.depth,
-    )  # the formula check_activations checks
+    # the activations by the formula check_activations checks
+    gib, acts = 2**30, 8 * args.width * args.tokens * args.depth
     print0(
-        f"plan: {args.depth} blocks of width {args.width}, {n_params:,} parameters, {16 * n_params / gib:.1f} "
-        f"GiB of fp32 params, grads and Adam state in one process; GiB per rank (rank 0: it holds the most)"
+        f"plan: {args.depth} blocks of width {args.width}, {n_params:,} parameters, "
+        f"{16 * n_params / gib:.1f} GiB of fp32 params, grads and Adam state in one process; GiB "
+        f"per rank (rank 0: it holds the most)"
     )
     print0(
         f"{'N':>6}{'params':>9}{'grads':>9}{'Adam':>9}{'state':>9}{'activations':>13}{'total':>9}"
@@ -209,15 +192,10 @@ def print_plan(big, args, sizes):
     )
     for n in sizes:
         p, g, a = (b / gib for b in big[n, 0])
-        print0(
-            f"{n:>6}{p:>9.3f}{g:>9.3f}{a:>9.3f}{p + g + a:>9.3f}{acts / gib:>13.3f}{p + g + a + acts / gib:>9.3f}"
-        )
+        state, a_gib = p + g + a, acts / gib
+        print0(f"{n:>6}{p:>9.3f}{g:>9.3f}{a:>9.3f}{state:>9.3f}{a_gib:>13.3f}{state + a_gib:>9.3f}")
     over = [n for n in sizes if sum(big[n, 0]) < acts]
-    where = (
-        f"from N = {over[0]} on they outweigh the sharded state"
-        if over
-        else "they stay below the state"
-    )
+    where = f"from N = {over[0]} on they outweigh the sharded state" if over else "they stay below"
     print0(
         f"activations are not sharded: {where} (fewer tokens per rank, activation checkpointing or "
         f"sequence/context parallelism shrink them)"
@@ -227,27 +205,31 @@ def print_plan(big, args, sizes):
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument(
-        "--width", type=int, default=16384, help="planned model: block width (meta: no memory)"
-    )
-    parser.add_argument("--depth", type=int, default=16, help="planned model: number of blocks")
-    parser.add_argument(
-        "--tokens", type=int, default=4096, help="tokens per rank per step, for the activations"
-    )
-    parser.add_argument(
-        "--max-ranks", type=int, default=1024, help="plan for 8, 16, ... up to this many ranks"
+        "--width",
+        type=int_in(1, 1 << 20),
+        default=16384,
+        help="planned model: block width (meta: no memory)",
     )
     parser.add_argument(
-        "--real-width", type=int, default=62, help="the model really sharded (62: 3 and 4 pad)"
+        "--depth", type=int_in(1, 1024), default=16, help="planned model: number of blocks"
     )
-    tests = test_flags(parser)
-    tests.add_argument(
-        "--no-shard",
-        action="store_true",
-        help="plan without fully_shard: the plan and the real run disagree",
+    parser.add_argument(
+        "--tokens",
+        type=int_in(1, 1 << 24),
+        default=4096,
+        help="tokens per rank per step, for the activations",
     )
-    tests.add_argument(
-        "--count-params",
-        action="store_true",
-        help="count the saved weight as an activation: the activation check fails",
+    # The fake group's set-up grows with N (measured on CPU: ~1.5 s at 1024, ~34 s at 16384).
+    parser.add_argument(
+        "--max-ranks",
+        type=int_in(8, 8192),
+        default=1024,
+        help="plan for 8, 16, ... up to this many ranks",
+    )
+    parser.add_argument(
+        "--real-width",
+        type=int_in(1, 4096),
+        default=62,
+        help="the model really sharded (62: 3 and 4 pad)",
     )
     run(main, parser.parse_args())

@@ -12,6 +12,8 @@ measures both, and checks that FSDP trains like one process on the whole batch (
     torchrun --nproc_per_node=3 fsdp_basics/fsdp_minimal.py
     python fsdp_basics/fsdp_minimal.py --nproc 4 --width 256 --depth 4 --steps 50
 
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+
 Docs: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
       https://pytorch.org/docs/stable/distributed.tensor.html (DTensor)
 """
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from launch.dist_setup import lesson_parser, print0, print_in_order, run
+from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_order, run
 from toy import BlockMLP, make_data, rank_batch, storage_bytes, train_one_process
 
 
@@ -38,9 +40,8 @@ def main(args, ctx):
     model = BlockMLP(args.width, args.depth).to(ctx.device)
     reference = copy.deepcopy(model)  # for the checks
 
-    mesh = init_device_mesh(
-        ctx.device.type, (ctx.world_size,)
-    )  # without it FSDP picks the accelerator
+    # Without a mesh FSDP builds one for the accelerator, even when this run is on the CPU.
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)  # its parameters become DTensors, Shard(0) (see print_shards)
     fully_shard(model, mesh=mesh)  # the root: inp and head
@@ -58,15 +59,18 @@ def main(args, ctx):
     held = measure_reshard_after_forward(reference, mesh, x, y, args, ctx)
     worst = check_matches_one_process(model, losses, reference, x, y, args)
     print0(
-        f"OK: fully_shard per block + root on {ctx.world_size} ranks trains like one process for {args.steps} "
-        f"steps (max diff {worst:.1e}); a block holds {held[True]} B instead of {held[False]} B "
-        f"between forward and backward when resharded"
+        f"OK: fully_shard per block + root on {ctx.world_size} ranks trains like one process for "
+        f"{args.steps} steps (max diff {worst:.1e}); a block holds {held[True]} B instead of "
+        f"{held[False]} B between forward and backward when resharded"
     )
 
 
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
 def print_shards(model):
-    # A DTensor is a torch.Tensor that also knows its device mesh and its placement on it; Shard(0): each
-    # rank holds a slice of dim 0 (https://pytorch.org/docs/stable/distributed.tensor.html).
+    # A DTensor is a torch.Tensor that also knows its device mesh and its placement on it;
+    # Shard(0): each rank holds a slice of dim 0 (docs: distributed.tensor.html).
     print0(
         "global shapes: " + ", ".join(f"{n} {tuple(p.shape)}" for n, p in model.named_parameters())
     )
@@ -78,15 +82,15 @@ def print_shards(model):
 
 
 def measure_reshard_after_forward(reference, mesh, x, y, args, ctx):
-    """Bytes of block 0's parameters between forward and backward, with reshard_after_forward True / False."""
+    """Bytes of block 0's parameters between forward and backward, for reshard_after_forward
+    True and False."""
     held = {}
     for reshard in (True, False):
         probe = copy.deepcopy(reference)
         for block in probe.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(
-            probe, mesh=mesh
-        )  # the root: default None, i.e. False (backward needs it first)
+        # the root: default None, i.e. False (backward needs it first)
+        fully_shard(probe, mesh=mesh)
         xb, yb = rank_batch(x, y, 0, args.batch, ctx)
         loss = F.cross_entropy(probe(xb), yb)
         held[reshard] = storage_bytes(probe.blocks[0].parameters())
@@ -103,12 +107,13 @@ def measure_reshard_after_forward(reference, mesh, x, y, args, ctx):
 
 
 def check_matches_one_process(model, losses, reference, x, y, args):
-    """Same device, same data, same initial weights, same kernels: only the order of summation in the
-    gradient average differs (my share, then reduce_scatter, against one full batch): float32 rounding,
-    ~1e-7 relative, which training amplifies (measured on CPU at 4 ranks: 1e-7 after the default 10
-    steps, 8e-6 after 50 steps at --width 256 --depth 4). Hence --tol 1e-4. float32 matmuls run in full
-    float32 on GPUs too: TF32 is off by default (docs notes/cuda.html, "TensorFloat-32 (TF32) on Ampere
-    (and later) devices"); with it on, ulp-level differences may grow past 1e-4."""
+    """Same device, same data, same initial weights, same kernels: only the order of summation in
+    the gradient average differs (my share, then reduce_scatter, against one full batch): float32
+    rounding, ~1e-7 relative, which training amplifies (measured on CPU at 4 ranks: 1e-7 after the
+    default 10 steps, 8e-6 after 50 steps at --width 256 --depth 4). Hence --tol 1e-4. float32
+    matmuls run in full float32 on GPUs too: TF32 is off by default (docs notes/cuda.html,
+    "TensorFloat-32 (TF32) on Ampere (and later) devices"); with it on, ulp-level differences may
+    grow past 1e-4."""
     ref_losses = train_one_process(reference, x, y, args.batch, args.steps, args.lr)
     losses = torch.stack(losses)
     dist.all_reduce(losses, op=dist.ReduceOp.AVG)  # equal shares: the loss of the global batch
@@ -131,14 +136,17 @@ def check_matches_one_process(model, losses, reference, x, y, args):
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--width", type=int_in(1, 4096), default=64)
+    parser.add_argument("--depth", type=int_in(1, 64), default=2)
     parser.add_argument(
-        "--batch", type=int, default=48, help="global batch, divisible by the world size"
+        "--batch", type=int_in(1, 65536), default=48, help="global batch, divisible by N"
     )
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--steps", type=int_in(1, 10_000), default=10)
+    parser.add_argument("--lr", type=float_in(0, 10, low_open=True), default=1e-2)
     parser.add_argument(
-        "--tol", type=float, default=1e-4, help="largest |FSDP - one process| (loss, params)"
+        "--tol",
+        type=float_in(0, 1, low_open=True),
+        default=1e-4,
+        help="largest |FSDP - one process| (loss, params)",
     )
     run(main, parser.parse_args())

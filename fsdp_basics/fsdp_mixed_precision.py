@@ -11,7 +11,10 @@ dtype where it occurs and checks that the loss stays close to fp32 training in o
     torchrun --nproc_per_node=4 fsdp_basics/fsdp_mixed_precision.py
     python fsdp_basics/fsdp_mixed_precision.py --nproc 2 --steps 200
 
-Docs: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html#torch.distributed.fsdp.MixedPrecisionPolicy
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+
+Docs: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
+      (torch.distributed.fsdp.MixedPrecisionPolicy)
 """
 
 import copy
@@ -22,7 +25,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from launch.dist_setup import lesson_parser, print0, run
+from launch.dist_setup import float_in, int_in, lesson_parser, print0, run
 from toy import BlockMLP, make_data, rank_batch, train_one_process
 
 
@@ -36,9 +39,8 @@ def main(args, ctx):
     model = BlockMLP(args.width, args.depth).to(ctx.device)
     reference = copy.deepcopy(model)  # for the checks
 
-    mesh = init_device_mesh(
-        ctx.device.type, (ctx.world_size,)
-    )  # without it FSDP picks the accelerator
+    # Without a mesh FSDP builds one for the accelerator, even when this run is on the CPU.
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=bf16)
@@ -56,18 +58,20 @@ def main(args, ctx):
     check_dtypes(model, reference, *rank_batch(x, y, 0, args.batch, ctx))
     diff = check_tracks_fp32(losses, reference, x, y, args)
     print0(
-        f"OK: bf16 compute with fp32 master shards and fp32 reduce_scatter on {ctx.world_size} ranks "
-        f"tracks fp32 training within {diff:.4f} (tolerance {args.tol:g}) over {args.steps} steps"
+        f"OK: bf16 compute with fp32 master shards and fp32 reduce_scatter on {ctx.world_size} "
+        f"ranks tracks fp32 training within {diff:.4f} (tolerance {args.tol:g}) "
+        f"over {args.steps} steps"
     )
+
+
+# ---- The lesson ends here. What follows is how it checks itself. ----
 
 
 def check_dtypes(model, reference, x, y):
     """One more forward and backward (no step), with hooks that note each dtype where it occurs."""
     seen, block = {}, model.blocks[0]
 
-    def before_forward(
-        module, inputs
-    ):  # runs after FSDP's pre-forward hook: the block is unsharded
+    def before_forward(module, inputs):  # after FSDP's pre-forward hook: the block is unsharded
         weight = module.fc.weight
         seen["gathered param"] = f"{weight.dtype} {tuple(weight.shape)} {type(weight).__name__}"
         seen["block input"] = inputs[0].dtype
@@ -107,18 +111,17 @@ def check_dtypes(model, reference, x, y):
 
 
 def check_tracks_fp32(losses, reference, x, y, args):
-    """bf16 keeps 8 significant bits (2^-9 = 0.2% rounding per value), and the two trajectories drift apart
-    slowly: measured on CPU 0.0028 after the default 30 steps, 0.012 after 200 steps at 4 ranks. GPU bf16
-    matmuls accumulate in fp32 like CPU ones, so expect the same order; --tol 0.04 leaves 3x over the
-    200-step drift, and a bf16 run that does not learn is ~0.5 off."""
-    ref_losses = train_one_process(
-        reference, x, y, args.batch, args.steps, args.lr
-    )  # fp32, one process
+    """bf16 keeps 8 significant bits (2^-9 = 0.2% rounding per value), and the two trajectories
+    drift apart slowly: measured on CPU 0.0028 after the default 30 steps, 0.012 after 200 steps at
+    4 ranks. GPU bf16 matmuls accumulate in fp32 like CPU ones, so expect the same order; --tol 0.04
+    leaves 3x over the 200-step drift, and a bf16 run that does not learn is ~0.5 off."""
+    ref_losses = train_one_process(reference, x, y, args.batch, args.steps, args.lr)  # fp32
     losses = torch.stack(losses)
     dist.all_reduce(losses, op=dist.ReduceOp.AVG)  # equal shares: the loss of the global batch
     diff = (losses - ref_losses).abs().max().item()
     print0(
-        f"loss fp32 {ref_losses[0]:.4f} -> {ref_losses[-1]:.4f}, bf16 {losses[0]:.4f} -> {losses[-1]:.4f}; "
+        f"loss fp32 {ref_losses[0]:.4f} -> {ref_losses[-1]:.4f}, "
+        f"bf16 {losses[0]:.4f} -> {losses[-1]:.4f}; "
         f"max |diff| over {args.steps} steps {diff:.4f} (tolerance {args.tol:g})"
     )
     if diff > args.tol or not losses[-1] < losses[0]:
@@ -128,14 +131,17 @@ def check_tracks_fp32(losses, reference, x, y, args):
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--width", type=int_in(1, 4096), default=64)
+    parser.add_argument("--depth", type=int_in(1, 64), default=2)
     parser.add_argument(
-        "--batch", type=int, default=48, help="global batch, divisible by the world size"
+        "--batch", type=int_in(1, 65536), default=48, help="global batch, divisible by N"
     )
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--steps", type=int_in(2, 10_000), default=30, help="(2+: it must learn)")
+    parser.add_argument("--lr", type=float_in(0, 10, low_open=True), default=1e-2)
     parser.add_argument(
-        "--tol", type=float, default=0.04, help="largest |loss bf16 - loss fp32| allowed"
+        "--tol",
+        type=float_in(0, 1, low_open=True),
+        default=0.04,
+        help="largest |loss bf16 - loss fp32| allowed",
     )
     run(main, parser.parse_args())

@@ -1,20 +1,20 @@
 """What FSDP2 sends, and when: the all_gathers and reduce_scatters of one step per rank, as text.
 
-fully_shard per block, then the root. reshard_after_forward=True frees a block's full parameters
-after its forward and all_gathers them again in backward; False keeps them, no second all_gather
-(the root's default, None, means False for the root, True for the others: fully_shard's docstring).
-set_modules_to_forward_prefetch / set_modules_to_backward_prefetch ask a block to issue the
-all_gathers of the next blocks itself, earlier from the CPU; a list of two or more overlaps more and
-takes more memory (their docstrings, torch/distributed/fsdp/_fully_shard/_fully_shard.py, torch 2.13).
-torch.profiler records FSDP's own labelled regions ("FSDP::all_gather (blocks.0)", ...: record_function
-in torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py), so the lesson profiles the last step,
-counts the all_gathers and reduce_scatters and prints them on a time line, for three settings; all
-three must train to one process's parameters. The regions are when the CPU issues the work; on a GPU
-the kernels run later on their own streams: prof.export_chrome_trace(path) shows both (profiler docs).
-At 1 rank FSDP skips the all_gather (unshard in _fsdp_param_group.py: `if world_size == 1`).
+reshard_after_forward=True frees a block's full parameters after its forward and all_gathers them
+again in backward; False keeps them (the root's default, None, means False for the root, True for
+the others: fully_shard's docstring). set_modules_to_forward_prefetch / _backward_prefetch ask a
+block to issue the all_gathers of the next blocks itself, earlier; without them FSDP prefetches in
+backward only, one block ahead (docstrings in torch/distributed/fsdp/_fully_shard/, torch 2.13).
+torch.profiler records FSDP's labelled regions ("FSDP::all_gather (blocks.0)", ...), so the lesson
+profiles the last step of three settings, prints its all_gathers and reduce_scatters on a time
+line, checks their counts, which hook prefetched which, and that all three train to one process's
+parameters. The regions are when the CPU issues the work; on a GPU the kernels run later on their
+own streams: prof.export_chrome_trace(path) shows both (profiler docs).
 
     torchrun --nproc_per_node=2 fsdp_basics/fsdp_overlap.py
     python fsdp_basics/fsdp_overlap.py --nproc 3 --width 512 --depth 6
+
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
 
 Docs: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
       https://pytorch.org/docs/stable/profiler.html
@@ -30,22 +30,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.profiler import ProfilerActivity, profile
 
-from launch.dist_setup import lesson_parser, print0, print_in_order, run, test_flags
+from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_order, run
 from toy import BlockMLP, make_data, rank_batch, train_one_process
-
-KINDS = (
-    "FSDP::all_gather",
-    "FSDP::post_backward_reduce",
-    "FSDP::forward_prefetch",
-    "FSDP::backward_prefetch",
-)
 
 
 def main(args, ctx):
-    ctx.require(
-        min(args.width, args.depth, args.steps) >= 1 and args.prefetch >= 1,
-        "--width, --depth, --steps and --prefetch must be at least 1",
-    )
     ctx.require(
         args.batch % ctx.world_size == 0,
         f"--batch {args.batch} must divide by {ctx.world_size} ranks",
@@ -54,19 +43,16 @@ def main(args, ctx):
     torch.manual_seed(0)
     start = BlockMLP(args.width, args.depth).to(ctx.device)
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    variants = {
-        "reshard_after_forward=True": (True, 0),
-        "reshard_after_forward=False": (False, 0),
-        f"True, explicit prefetch of {args.prefetch}": (True, args.prefetch),
-    }
+    variants = {"reshard_after_forward=True": (True, 0), "reshard_after_forward=False": (False, 0)}
+    variants[f"True, explicit prefetch of {args.prefetch}"] = (True, args.prefetch)
     results = {name: train(args, ctx, start, mesh, x, y, *v) for name, v in variants.items()}
     print_timelines(results)
     worst = check_same_parameters(results, start, x, y, args, ctx)
-    check_counts(results, args, ctx)
+    check_counts(results, variants, args, ctx)
     print0(
-        f"OK: FSDP2 with reshard_after_forward True, False and explicit prefetching on {ctx.world_size} rank(s):"
-        f" all_gathers and reduce_scatters as expected, all train to one process's parameters "
-        f"(max diff {worst:.1e})"
+        f"OK: FSDP2 with reshard_after_forward True, False and explicit prefetching on "
+        f"{ctx.world_size} rank(s): all_gathers, reduce_scatters and prefetches as expected, all "
+        f"train to one process's parameters (max diff {worst:.1e})"
     )
 
 
@@ -74,35 +60,34 @@ def train(args, ctx, start, mesh, x, y, reshard, prefetch):
     """Train an FSDP2 copy of start; return it and the FSDP regions of its last step's profile."""
     model = copy.deepcopy(start)
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard and not args.ignore_reshard)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh)  # the root (inp, head): reshard_after_forward None, i.e. False
     if prefetch:
         blocks = list(model.blocks)
-        for i, block in enumerate(
-            blocks
-        ):  # forward: the next blocks; backward: the previous ones, nearest first
+        for i, block in enumerate(blocks):  # forward: the next ones; backward: the previous ones
             block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + prefetch])
             block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch) : i][::-1])
-    if (
-        args.no_grad_sync
-    ):  # for the tests: no reduce_scatter (FSDP2's no_sync: gradient accumulation)
-        model.set_requires_gradient_sync(False)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    profiler = profile(activities=[ProfilerActivity.CPU])  # the last step only
     for step in range(args.steps):
         xb, yb = rank_batch(x, y, step, args.batch, ctx)
-        with (
-            profile(activities=[ProfilerActivity.CPU])
-            if step == args.steps - 1
-            else contextlib.nullcontext() as prof
-        ):
+        with profiler if step == args.steps - 1 else contextlib.nullcontext() as prof:
             F.cross_entropy(model(xb), yb).backward()
         opt.step()
         opt.zero_grad()
     return model, regions(prof)
 
 
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+# FSDP's regions that the checks read; pre_forward / pre_backward: the hook that issued a prefetch
+KINDS = ("FSDP::all_gather", "FSDP::post_backward_reduce", "FSDP::forward_prefetch")
+KINDS += ("FSDP::backward_prefetch", "FSDP::pre_forward", "FSDP::pre_backward")
+HOOKS = ("FSDP::pre_forward", "FSDP::pre_backward")
+
+
 def regions(prof):
-    """[(name, start ms, end ms)] of FSDP's regions, in ms from the first event of the step, by start."""
+    """[(name, start ms, end ms)] of FSDP's regions, in ms from the step's first event, by start."""
     events = [e for e in prof.events() if e.name.startswith(KINDS)]
     t0 = min((e.time_range.start for e in prof.events()), default=0)
     return sorted(
@@ -112,8 +97,12 @@ def regions(prof):
 
 
 def collectives(rows):
-    """The all_gathers and reduce_scatters (one region each, named after their module; the root's has no
-    name) as (what, start, end, prefetch), prefetch: the prefetch region that issued it, if any."""
+    """The all_gathers and reduce_scatters (one region each, named after their module; the root's
+    has no name) as (what, start, end, by): by, for an all_gather inside a prefetch region,
+    ("forward" or "backward", the module whose pre_forward / pre_backward hook issued it), else
+    None. The hooks issue a prefetch inside their region (FSDP's own, one block ahead:
+    _fsdp_param_group.py) or just after it (the explicit lists: _fsdp_state.py, torch 2.13); the
+    hooks run one after the other on this thread: the issuer is the last hook begun before."""
     out = []
     for name, a, b in rows:
         for label, what in (
@@ -121,22 +110,28 @@ def collectives(rows):
             ("FSDP::post_backward_reduce", "reduce_scatter"),
         ):
             if name == label or name.startswith(label + " ("):
-                module = name[len(label) :].strip(" ()") or "root"
-                by = [
-                    n.split(" for ")[0][6:]
-                    for n, pa, pb in rows
-                    if "prefetch for" in n and pa <= a and b <= pb
-                ]
-                out.append((f"{what} {module}", a, b, by[0] if by else ""))
+                prefetch = [n for n, pa, pb in rows if "_prefetch for" in n and pa <= a <= b <= pb]
+                hooks = [(pa, n) for n, pa, _ in rows if n.split(" (")[0] in HOOKS and pa <= a]
+                by = None
+                if prefetch and hooks:  # the hook that began last before it issued it
+                    hook = max(hooks)[1]
+                    by = (prefetch[0][6:].split("_")[0], module(hook, hook.split(" (")[0]))
+                out.append((f"{what} {module(name, label)}", a, b, by))
     return out
+
+
+def module(name, label):
+    """The module a region is named after: "FSDP::all_gather (blocks.0)" -> blocks.0; none: root."""
+    return name[len(label) :].strip(" ()") or "root"
 
 
 def print_timelines(results, width=40):
     for name, (_, rows) in results.items():
         found = collectives(rows)
+        gathers = sum(w.startswith("all_gather") for w, *_ in found)
+        reduces = len(found) - gathers
         print0(
-            f"\n{name}: {sum(w.startswith('all_gather') for w, *_ in found)} all_gathers, "
-            f"{sum(w.startswith('reduce') for w, *_ in found)} reduce_scatters; ms from the step's start"
+            f"\n{name}: {gathers} all_gathers, {reduces} reduce_scatters; ms from the step's start"
         )
         end = max((b for _, _, b, _ in found), default=0) or 1.0
         lines = []
@@ -145,37 +140,56 @@ def print_timelines(results, width=40):
             bar = " " * lo + ("=" if what.startswith("all") else "~") * max(
                 1, round(b / end * width) - lo
             )
-            lines.append(
-                f"  {what:26s} {a:7.2f} .. {b:7.2f} |{bar:{width}s}| {by and 'issued by ' + by}"
-            )
+            by = f"prefetched by {by[1]} ({by[0]})" if by else ""
+            lines.append(f"  {what:26s} {a:7.2f} .. {b:7.2f} |{bar:{width}s}| {by}")
         print_in_order("\n".join(lines))
     print0(
         "(= all_gather, ~ reduce_scatter: when the CPU issues them, inside FSDP's profiler regions)"
     )
 
 
-def check_counts(results, args, ctx):
-    """Per rank and variant: one all_gather per block and root in forward, one more per block in backward
-    when it was resharded; one reduce_scatter per block and root; with explicit forward prefetching, every
-    block after the first all_gathered from a prefetch, without it none. At 1 rank no all_gather."""
-    depth, failures = args.depth, []
+def expected_prefetches(depth, reshard, prefetch, one):
+    """[(block, "forward" or "backward", the block whose hook issues its all_gather)], sorted. With
+    explicit prefetching of p, block i's forward issues blocks i+1..i+p and its backward blocks
+    i-1..i-p, each block gathered by the first hook that lists it; without, FSDP prefetches in
+    backward only, one block ahead; the root's pre-backward issues the last block (when it was
+    resharded). At 1 rank nothing is gathered (unshard in _fsdp_param_group.py)."""
+    if one:
+        return []
+    ahead = [(f"blocks.{j}", "forward", f"blocks.{max(0, j - prefetch)}") for j in range(1, depth)]
+    p = prefetch or 1
+    behind = [(f"blocks.{j}", "backward", f"blocks.{min(depth - 1, j + p)}") for j in range(depth)]
+    behind[-1] = (f"blocks.{depth - 1}", "backward", "root")
+    return sorted(ahead * bool(prefetch) + behind * reshard)
+
+
+def directions(prefetches):
+    """(forward-prefetched, backward-prefetched) all_gathers in a list of expected_prefetches'."""
+    return [sum(p[1] == d for p in prefetches) for d in ("forward", "backward")]
+
+
+def check_counts(results, variants, args, ctx):
+    """Per rank and variant: one all_gather per block and root in forward, one more per block in
+    backward when it was resharded; one reduce_scatter per block and root; and the prefetches:
+    which hook issued which block's all_gather, forward and backward (expected_prefetches)."""
+    failures, one = [], ctx.world_size == 1  # at 1 rank FSDP has nothing to gather
     for name, (_, rows) in results.items():
+        reshard, prefetch = variants[name]
         found = collectives(rows)
-        reshard = "True" in name  # the variant asked for it
+        issued = sorted((w.split()[1], *by) for w, _, _, by in found if by)
+        expected = expected_prefetches(args.depth, reshard, prefetch, one)
         gathers = sum(w.startswith("all_gather") for w, *_ in found)
-        reduces = sum(w.startswith("reduce") for w, *_ in found)
-        ahead = sum(by == "forward_prefetch" for w, _, _, by in found)
-        one = ctx.world_size == 1  # nothing to gather: one rank holds every shard
-        want = (
-            0 if one else depth + 1 + depth * reshard,
-            depth + 1,
-            0 if one else (depth - 1) * ("prefetch" in name),
-        )
-        if (gathers, reduces, ahead) != want:
+        got = (gathers, len(found) - gathers, *directions(issued))
+        gathers = 0 if one else args.depth + 1 + args.depth * reshard
+        want = (gathers, args.depth + 1, *directions(expected))
+        if got != want:
             failures.append(
-                f"{name}: {gathers} all_gathers, {reduces} reduce_scatters, {ahead} forward-"
-                f"prefetched; expected {want[0]}, {want[1]}, {want[2]}"
+                f"{name}: {got[0]} all_gathers, {got[1]} reduce_scatters, {got[2]} forward-"
+                f"prefetched, {got[3]} backward-prefetched; expected {', '.join(map(str, want))}"
             )
+        elif issued != expected:
+            show = [", ".join(f"{b} by {h} ({d})" for b, d, h in g) for g in (issued, expected)]
+            failures.append(f"{name}: prefetched {show[0]}; expected {show[1]}")
     print_in_order(f"counts as expected: {'no: ' + '; '.join(failures) if failures else 'yes'}")
     dist.barrier()
     if failures:
@@ -183,9 +197,10 @@ def check_counts(results, args, ctx):
 
 
 def check_same_parameters(results, start, x, y, args, ctx):
-    """One process, plain torch, the whole global batch each step (toy.train_one_process, Adam). float32 on
-    one device: only the summation order differs; fsdp_minimal.py measured 1e-7 after 10 steps, 8e-6 after
-    50: bound 1e-4 (TF32 is off by default on GPUs, docs notes/cuda.html; with it on, this may not hold)."""
+    """One process, plain torch, the whole global batch each step (toy.train_one_process, Adam).
+    float32 on one device: only the summation order differs; fsdp_minimal.py measured 1e-7 after
+    10 steps, 8e-6 after 50: bound 1e-4 (TF32 is off by default on GPUs, docs notes/cuda.html;
+    with it on, this may not hold)."""
     single = copy.deepcopy(start)
     train_one_process(single, x, y, args.batch, args.steps, args.lr)
     # full_tensor() all_gathers a DTensor's shards into the whole tensor: every rank calls it
@@ -212,25 +227,17 @@ def check_same_parameters(results, start, x, y, args, ctx):
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--depth", type=int, default=3)
+    parser.add_argument("--width", type=int_in(1, 4096), default=128)
+    parser.add_argument("--depth", type=int_in(1, 64), default=3)
     parser.add_argument(
-        "--batch", type=int, default=48, help="global batch, divisible by the world size"
+        "--batch", type=int_in(1, 65536), default=48, help="global batch, divisible by N"
     )
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--steps", type=int_in(1, 1000), default=3)
+    parser.add_argument("--lr", type=float_in(0, 10, low_open=True), default=1e-2)
     parser.add_argument(
-        "--prefetch", type=int, default=2, help="blocks each block prefetches (explicit variant)"
-    )
-    broken = test_flags(parser)
-    broken.add_argument(
-        "--ignore-reshard",
-        action="store_true",
-        help="reshard_after_forward=False everywhere: the all_gather count check fails",
-    )
-    broken.add_argument(
-        "--no-grad-sync",
-        action="store_true",
-        help="set_requires_gradient_sync(False): no reduce_scatter, the parameters differ",
+        "--prefetch",
+        type=int_in(1, 64),
+        default=2,
+        help="blocks each block prefetches (explicit variant)",
     )
     run(main, parser.parse_args())

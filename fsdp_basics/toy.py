@@ -8,9 +8,11 @@ checks compare with `train_one_process`: the same model and Adam in one process,
 on the whole global batch, which is what data parallelism must reproduce.
 """
 
+import contextlib
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -80,8 +82,9 @@ def train_one_process(model, x, y, batch, steps, lr):
 
 
 def storage_bytes(tensors):
-    """Bytes of the storages behind `tensors`: a storage several tensors share counts once, a DTensor
-    (FSDP's sharded parameter) counts its local shard. Read from the tensors: works on any device."""
+    """Bytes of the storages behind `tensors`: a storage several tensors share counts once, a
+    DTensor (FSDP's sharded parameter) counts its local shard. Read from the tensors: works on any
+    device."""
     tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
     return sum(
         {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values()
@@ -101,3 +104,31 @@ def step_bytes(model, opt, x, y):
     ]
     opt.zero_grad()
     return held
+
+
+@contextlib.contextmanager
+def record_collectives(log):
+    """Append (name, ranks of its group) to `log` for each call FSDP2 makes: in torch 2.13 it calls
+    these three through the torch.distributed module
+    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py), so wrapping the module's attributes
+    sees them. (CommDebugMode in torch.distributed.tensor.debug counts them too, but does not say on
+    which group.) Used by hsdp.py."""
+    saved = {
+        name: getattr(dist, name)
+        for name in ("all_gather_single", "reduce_scatter_single", "all_reduce")
+    }
+
+    def recorded(name, call):
+        def wrapper(*a, group=None, **kw):
+            log.append((name, tuple(dist.get_process_group_ranks(group or dist.group.WORLD))))
+            return call(*a, group=group, **kw)
+
+        return wrapper
+
+    try:
+        for name, call in saved.items():
+            setattr(dist, name, recorded(name, call))
+        yield log
+    finally:
+        for name, call in saved.items():
+            setattr(dist, name, call)

@@ -10,6 +10,8 @@ all_gather per layer in forward and in backward: 1.5x the bytes DDP sends.)
     torchrun --nproc_per_node=3 fsdp_basics/zero_by_hand.py
     python fsdp_basics/zero_by_hand.py --nproc 4 --width 256 --depth 4
 
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+
 Docs: https://arxiv.org/abs/1910.02054 (ZeRO)
       https://pytorch.org/docs/stable/distributed.html (all_gather_single, reduce_scatter_single)
 """
@@ -21,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from launch.dist_setup import lesson_parser, print0, print_in_order, run
+from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_order, run
 from toy import BlockMLP, make_data, rank_batch, step_bytes, storage_bytes, train_one_process
 
 
@@ -29,9 +31,7 @@ class GatheredLinear(torch.autograd.Function):
     """y = x W^T + b, where W and b exist in full only while this layer computes."""
 
     @staticmethod
-    def forward(
-        saved, x, shard, layer
-    ):  # saved: autograd's context object, not the distributed ctx
+    def forward(saved, x, shard, layer):  # saved: autograd's context, not the distributed ctx
         saved.save_for_backward(x, shard)  # the input and my shard: never the gathered weight
         saved.layer = layer
         weight, bias, full = layer.gather(shard)
@@ -50,42 +50,44 @@ class GatheredLinear(torch.autograd.Function):
         )
         full.untyped_storage().resize_(0)
         grad_shard = torch.empty_like(shard)
-        # torch 2.13 names; before it reduce_scatter_tensor / all_gather_into_tensor (same arguments)
+        # torch 2.13 names; before, reduce_scatter_tensor / all_gather_into_tensor (same arguments)
         reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        reduce_scatter(
-            grad_shard, full_grad, op=dist.ReduceOp.AVG
-        )  # my slice of the ranks' average
+        reduce_scatter(grad_shard, full_grad, op=dist.ReduceOp.AVG)  # my slice of the average
         return grad_x, grad_shard, None
 
 
 class ShardedLinear(nn.Module):
     """Replaces an nn.Linear; holds only this rank's shard of [weight.flatten(), bias, zeros]."""
 
-    def __init__(self, linear, ctx, memo):
+    def __init__(self, linear, ctx):
         super().__init__()
         self.out_features, self.in_features = linear.weight.shape
         flat = torch.cat([linear.weight.detach().flatten(), linear.bias.detach()])
         self.pad = -len(flat) % ctx.world_size  # zeros so that N divides the length
         flat = torch.cat([flat, flat.new_zeros(self.pad)])
-        self.shard = nn.Parameter(
-            flat.chunk(ctx.world_size)[ctx.rank].clone()
-        )  # clone: keep 1/N, not a view
-        self.world_size, self.memo = ctx.world_size, memo
+        # clone: keep 1/N, not a view of the whole
+        self.shard = nn.Parameter(flat.chunk(ctx.world_size)[ctx.rank].clone())
+        self.world_size = ctx.world_size
 
     def gather(self, shard):
         full = shard.new_empty(shard.numel() * self.world_size)
         all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         all_gather(full, shard.detach())  # every rank's shard, in rank order
-        self.memo["gathered"].append(
-            full
-        )  # for check_memory: the full layers alive now (freed: 0 B)
-        self.memo["peak"] = max(self.memo["peak"], storage_bytes(self.memo["gathered"]))
         n_weight = self.out_features * self.in_features
         weight = full[:n_weight].view(self.out_features, self.in_features)
         return weight, full[n_weight : n_weight + self.out_features], full
 
     def forward(self, x):
         return GatheredLinear.apply(x, self.shard, self)
+
+
+def shard_linears(model, ctx):
+    """Replace every nn.Linear of model by a ShardedLinear that keeps 1/N of it."""
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, ShardedLinear(child, ctx))  # device: cut from child
+    return model
 
 
 def main(args, ctx):
@@ -98,16 +100,8 @@ def main(args, ctx):
     model = BlockMLP(args.width, args.depth).to(ctx.device)
     reference = copy.deepcopy(model)  # for the checks
 
-    memo = {"gathered": [], "peak": 0}
-    for parent in list(model.modules()):  # every Linear keeps 1/N of itself
-        for name, child in parent.named_children():
-            if isinstance(child, nn.Linear):
-                setattr(
-                    parent, name, ShardedLinear(child, ctx, memo)
-                )  # device: cut from child, on ctx.device
-    opt = torch.optim.Adam(
-        model.parameters(), lr=args.lr
-    )  # sees the shards only: its state is 1/N too
+    shard_linears(model, ctx)  # every Linear keeps 1/N of itself
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)  # the shards only: its state is 1/N
     losses = []
     for step in range(args.steps):
         xb, yb = rank_batch(x, y, step, args.batch, ctx)
@@ -118,11 +112,14 @@ def main(args, ctx):
         losses.append(loss.detach())
 
     worst = check_matches_one_process(model, losses, reference, x, y, args)
-    share = check_memory(model, opt, reference, memo, x, y, args, ctx)
+    share = check_memory(model, opt, reference, x, y, args, ctx)
     print0(
         f"OK: ZeRO-3 by hand on {ctx.world_size} ranks (each holding {share:.3f} of the state) "
         f"matches single-process Adam after {args.steps} steps (max diff {worst:.1e})"
     )
+
+
+# ---- The lesson ends here. What follows is how it checks itself. ----
 
 
 def check_matches_one_process(model, losses, reference, x, y, args):
@@ -140,10 +137,11 @@ def check_matches_one_process(model, losses, reference, x, y, args):
         f"max |loss - single-process loss| over {args.steps} steps: {worst_loss:.2e}; "
         f"max |param - single-process param|: {worst:.2e} (tolerance {args.tol:g})"
     )
-    # Same device, same kernels: only the order of float32 sums differs (my share's gradient, then the
-    # average over ranks, against one full batch), ~1e-7 relative, which training amplifies (measured on
-    # CPU at 4 ranks: ~1e-7 at the defaults, 1.1e-5 at --width 256 --depth 4). Hence --tol 1e-4. TF32 is
-    # off by default on GPUs (docs notes/cuda.html, "TensorFloat-32 (TF32) on Ampere (and later) devices").
+    # Same device, same kernels: only the order of float32 sums differs (my share's gradient, then
+    # the average over ranks, against one full batch), ~1e-7 relative, which training amplifies
+    # (measured on CPU at 4 ranks: ~1e-7 at the defaults, 1.1e-5 at --width 256 --depth 4). Hence
+    # --tol 1e-4. TF32 is off by default on GPUs (docs notes/cuda.html, "TensorFloat-32 (TF32) on
+    # Ampere (and later) devices").
     if worst > args.tol or worst_loss > args.tol:
         raise RuntimeError(
             f"ZeRO-3 by hand differs from single-process training by {max(worst, worst_loss):.2e}"
@@ -151,9 +149,27 @@ def check_matches_one_process(model, losses, reference, x, y, args):
     return max(worst, worst_loss)
 
 
-def check_memory(model, opt, reference, memo, x, y, args, ctx):
-    """About 1/N of the unsharded state per rank, and one gathered layer at a time, freed after use."""
-    memo.update(gathered=[], peak=0)
+def watch_gathers(model):
+    """{"gathered": the full layers gathered so far (freed ones hold 0 B), "peak": the most bytes
+    alive at once}, kept up to date by wrapping each ShardedLinear's gather."""
+    memo = {"gathered": [], "peak": 0}
+
+    def watched(shard, gather):
+        weight, bias, full = gather(shard)
+        memo["gathered"].append(full)
+        memo["peak"] = max(memo["peak"], storage_bytes(memo["gathered"]))
+        return weight, bias, full
+
+    for m in model.modules():
+        if isinstance(m, ShardedLinear):
+            m.gather = lambda shard, gather=m.gather: watched(shard, gather)
+    return memo
+
+
+def check_memory(model, opt, reference, x, y, args, ctx):
+    """About 1/N of the unsharded state per rank, and one gathered layer at a time, freed after
+    use."""
+    memo = watch_gathers(model)
     held = step_bytes(model, opt, *rank_batch(x, y, 0, args.batch, ctx))
     ref = step_bytes(
         reference, torch.optim.Adam(reference.parameters()), x[: args.batch], y[: args.batch]
@@ -167,8 +183,8 @@ def check_memory(model, opt, reference, memo, x, y, args, ctx):
         f"({share:.3f} of unsharded); peak gathered at once {memo['peak']} B"
     )
     print0(
-        f"unsharded (one process): params {ref[0]} B, grads {ref[1]} B, Adam state {ref[2]} B = {sum(ref)} B; "
-        f"1/N = {1 / ctx.world_size:.3f}; the largest layer is {largest} B"
+        f"unsharded (one process): params {ref[0]} B, grads {ref[1]} B, Adam state {ref[2]} B "
+        f"= {sum(ref)} B; 1/N = {1 / ctx.world_size:.3f}; the largest layer is {largest} B"
     )
     one_layer = largest + 4 * ctx.world_size  # plus its padding: under N floats
     if (
@@ -185,15 +201,21 @@ def check_memory(model, opt, reference, memo, x, y, args, ctx):
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument(
-        "--width", type=int, default=30, help="hidden width (30: layers that N=4 does not divide)"
+        "--width",
+        type=int_in(1, 4096),
+        default=30,
+        help="hidden width (30: layers that N=4 does not divide)",
     )
-    parser.add_argument("--depth", type=int, default=2, help="residual blocks")
+    parser.add_argument("--depth", type=int_in(1, 64), default=2, help="residual blocks")
     parser.add_argument(
-        "--batch", type=int, default=48, help="global batch, divisible by the world size"
+        "--batch", type=int_in(1, 65536), default=48, help="global batch, divisible by N"
     )
-    parser.add_argument("--steps", type=int, default=15)
-    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--steps", type=int_in(1, 10_000), default=15)
+    parser.add_argument("--lr", type=float_in(0, 10, low_open=True), default=1e-2)
     parser.add_argument(
-        "--tol", type=float, default=1e-4, help="largest |ZeRO-3 - one process| (loss, params)"
+        "--tol",
+        type=float_in(0, 1, low_open=True),
+        default=1e-4,
+        help="largest |ZeRO-3 - one process| (loss, params)",
     )
     run(main, parser.parse_args())

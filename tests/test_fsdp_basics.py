@@ -1,14 +1,18 @@
-"""The lessons of fsdp_basics/ (issue 6): each under torchrun at 2 and 4 ranks and once with
-`python lesson.py --nproc N` (3, an odd size with uneven shards, where it matters most),
-figures from the output checked; the checkpoint chain 2 ranks (crash during save) -> 4 ranks
--> 2 ranks against an uninterrupted run at 3; a bad start. Each launch costs seconds of
-imports (torch, torch._dynamo via torch.optim) per rank, so the runs are as few as that allows."""
+"""The lessons of fsdp_basics/ (issue 6): fsdp_minimal (the folder's first lesson) under real
+torchrun at 2 and 4 ranks, each other lesson once with `python lesson.py --nproc N` (3, an odd size
+with uneven shards, where it matters most) and at its other world sizes on the warm launcher (issue
+33), figures from the output checked; the checkpoint chain 2 ranks (a copy that crashes during a
+save: the row of tests/test_mutations.py) -> 4 ranks -> 2 ranks against an uninterrupted run at 3;
+resuming from a directory that holds no checkpoint, or another model's, is one line; a bad start.
+Each launch costs seconds of imports (torch, torch._dynamo via torch.optim) per rank, so the runs
+are as few as that allows."""
 
 import re
 
 import pytest
 
-from harness import ROOT, assert_fails, assert_ok, run_lesson
+from harness import ROOT, assert_fails, assert_ok, mutant, run_lesson
+from test_mutations import FSDP_BASICS
 
 TIMEOUT = 240  # the CI machine is small and shared: a launch takes seconds, a hang is caught
 LESSONS = [
@@ -44,18 +48,16 @@ def check_output(name, nproc, out):
         assert len(ratios) == nproc and all(abs(r - 1 / nproc) < 0.02 for r in ratios), out
         peaks = [int(p) for p in re.findall(r"peak gathered at once (\d+) B", out)]
         largest = int(re.search(r"the largest layer is (\d+) B", out).group(1))
-        assert all(largest <= p <= largest + 4 * (nproc - 1) for p in peaks), (
-            out
-        )  # one layer at a time, padded
+        # one layer at a time, padded
+        assert all(largest <= p <= largest + 4 * (nproc - 1) for p in peaks), out
     if name == "fsdp_minimal.py":
         within_tolerance(out, "max |param FSDP - param one process|")
         rows = [
             int(r)
             for r in re.findall(r"^\[rank \d\] .*?blocks\.0\.fc\.weight \((\d+), 64\)", out, re.M)
         ]
-        assert len(rows) == nproc and sum(rows) == 64, (
-            out
-        )  # the shards on dim 0 add up to the weight
+        # the shards on dim 0 add up to the weight
+        assert len(rows) == nproc and sum(rows) == 64, out
         held = re.search(r"(\d+) B with reshard_after_forward=True .*?, (\d+) B with False", out)
         assert held and int(held.group(1)) * nproc <= int(held.group(2)) * 1.1, out
     if name == "fsdp_memory.py":
@@ -81,18 +83,25 @@ def check_output(name, nproc, out):
         assert out.count("shards and Adam state on cpu") == nproc, out
 
 
-# Real torchrun at 2 ranks; at 4 the harness's warm launcher (torchrun's environment, ranks forked).
+# fsdp_minimal, the folder's first lesson on the core path: real torchrun at 2 and 4 ranks. The
+# others on the warm launcher (torchrun's environment, ranks forked) at the sizes `python` does not
+# run. The quick tier: each lesson once.
+QUICK = [("fsdp_minimal.py", 2, "torchrun")] + [(n, 4, "warm") for n in LESSONS]
+RUNS = [("fsdp_minimal.py", 2, "torchrun"), ("fsdp_minimal.py", 4, "torchrun")] + [
+    (name, k, "warm")
+    for name in LESSONS
+    if name != "fsdp_minimal.py"
+    for k in (2, 4)
+    if k != PYTHON_NPROC[name]
+]
+
+
 @pytest.mark.parametrize(
-    "name,nproc",
-    [pytest.param(n, k, marks=[pytest.mark.quick] * (k == 4)) for n in LESSONS for k in (2, 4)],
+    "name,nproc,launcher",
+    [pytest.param(*run, marks=[pytest.mark.quick] * (run in QUICK)) for run in RUNS],
 )
-def test_torchrun(name, nproc):
-    result = run_lesson(
-        f"fsdp_basics/{name}",
-        nproc=nproc,
-        launcher="torchrun" if nproc == 2 else "warm",
-        timeout=TIMEOUT,
-    )
+def test_launched(name, nproc, launcher):
+    result = run_lesson(f"fsdp_basics/{name}", nproc=nproc, launcher=launcher, timeout=TIMEOUT)
     assert_ok(result)
     check_output(name, nproc, result.stdout)
 
@@ -109,7 +118,7 @@ def checksum(result):
     return float(re.search(r"params checksum ([\d.]+)", result.stdout).group(1))
 
 
-@pytest.mark.quick  # fsdp_checkpoint's run in the quick tier; the crash-and-reshard test below is the thorough one
+@pytest.mark.quick  # fsdp_checkpoint's run in the quick tier; the chain below is the thorough one
 def test_checkpoint_runs_on_the_warm_launcher(tmp_path):
     ok = assert_ok(
         run_lesson(
@@ -126,35 +135,58 @@ def test_checkpoint_runs_on_the_warm_launcher(tmp_path):
 
 def test_checkpoint_reshard_and_crash(tmp_path):
     lesson, ck = "fsdp_basics/fsdp_checkpoint.py", tmp_path / "ck"
-    # 2 ranks save steps 2 and 4, then crash inside the save of step 6, before it is published.
-    crashed = run_lesson(
-        lesson, "--dir", ck, "--stop-at", "6", "--crash-during-save", nproc=2, timeout=TIMEOUT
-    )
-    assert_fails(crashed, "simulated crash during save")
+    # A copy that crashes inside the save of step 6, after dcp.save wrote step_000006.tmp and
+    # before it is published (the mutation row): 2 ranks save steps 2 and 4, then crash.
+    crash = next(m for m in FSDP_BASICS if m.id == "fsdp_checkpoint-crash-during-save")
+    copy = mutant(tmp_path, lesson, *crash.changes)
+    crashed = run_lesson(copy, "--dir", ck, nproc=2, launcher="warm", timeout=TIMEOUT)
+    assert_fails(crashed, crash.message)
     assert (ck / "latest").read_text() == "step_000004" and (ck / "step_000006.tmp").is_dir()
     # 4 ranks resume the previous checkpoint (resharded 2 -> 4) and stop after saving step 6.
     resumed = run_lesson(
         lesson, "--dir", ck, "--resume", "--stop-at", "6", nproc=4, launcher="warm", timeout=TIMEOUT
     )
     assert_ok(resumed)
-    assert "resumed from step_000004 (written by 2 ranks) at step 4 on 4 ranks" in resumed.stdout, (
-        resumed
-    )
+    message = "resumed from step_000004 (written by 2 ranks) at step 4 on 4 ranks"
+    assert message in resumed.stdout, resumed
     assert (ck / "latest").read_text() == "step_000006" and not (ck / "step_000006.tmp").exists()
     checksum(resumed)
-    # 2 ranks finish it (resharded 4 -> 2); an uninterrupted run (3 ranks, python) must end the same.
+    # 2 ranks finish it (resharded 4 -> 2); an uninterrupted run (3 ranks, python) ends the same.
     finished = run_lesson(
         lesson, "--dir", ck, "--resume", nproc=2, launcher="warm", timeout=TIMEOUT
     )
     assert_ok(finished)
-    assert (
-        "resumed from step_000006 (written by 4 ranks) at step 6 on 2 ranks" in finished.stdout
-    ), finished
+    message = "resumed from step_000006 (written by 4 ranks) at step 6 on 2 ranks"
+    assert message in finished.stdout, finished
     whole = run_lesson(
         lesson, "--dir", tmp_path / "whole", nproc=3, launcher="python", timeout=TIMEOUT
     )
     assert_ok(whole)
     assert abs(checksum(finished) - checksum(whole)) < 1e-3, (finished, whole)
+    # The same checkpoint resumed by a narrower model: one line that names it and what differs.
+    other = run_lesson(
+        lesson, "--dir", ck, "--resume", "--width", "32", nproc=2, launcher="warm", timeout=TIMEOUT
+    )
+    assert_fails(
+        other,
+        f"error: --resume: {ck / 'step_000008'} holds another model: blocks.0.fc.bias (64,) "
+        "there, (32,) here; blocks.0.fc.weight (64, 64) there, (32, 32) here (and 5 more)",
+        within=2,
+    )
+    assert "Traceback" not in other.output, other
+
+
+def test_checkpoint_resume_from_no_checkpoint_is_one_line(tmp_path):
+    ck = tmp_path / "ck"
+    (ck / "step_000002").mkdir(parents=True)  # what `latest` names holds no .metadata
+    (ck / "step_000002" / "notes.txt").write_text("not a checkpoint\n")
+    (ck / "latest").write_text("step_000002")
+    result = run_lesson(
+        "fsdp_basics/fsdp_checkpoint.py", "--dir", ck, "--resume", nproc=2, launcher="warm"
+    )
+    message = f"error: --resume: {ck / 'step_000002'} is not a DCP checkpoint (FileNotFoundError)"
+    assert_fails(result, message, within=2)
+    assert "Traceback" not in result.output, result
 
 
 @pytest.mark.parametrize("name", ["zero_by_hand.py", "fsdp_minimal.py", "fsdp_offload.py"])
@@ -169,16 +201,16 @@ def test_batch_must_divide(name):
 
 
 def test_readme_commands_agree_with_the_root_readme():
-    """Issue 13: the root README ran fsdp_mixed_precision at 4 ranks and this folder's table at 2. Each
-    lesson's command in the root README's table must stand in this folder's table row for that lesson."""
+    """Issue 13: the root README ran fsdp_mixed_precision at 4 ranks and this folder's table at 2.
+    Each lesson's command in the root README's table must stand in this folder's table row for that
+    lesson."""
     root, here = (ROOT / "README.md").read_text(), (ROOT / "fsdp_basics" / "README.md").read_text()
     rows = dict(re.findall(r"^\| \[(\w+\.py)\]\(\1\) \|(.*)$", here, re.M))
     commands = [
         (m.group(2), m.group(1))
         for m in re.finditer(r"`(torchrun [^`]*fsdp_basics/(\w+\.py)[^`]*)`", root)
     ]
-    assert {name for name, _ in commands} >= set(LESSONS), (
-        commands
-    )  # the root README runs every lesson
+    # the root README runs every lesson
+    assert {name for name, _ in commands} >= set(LESSONS), commands
     for name, command in commands:
         assert f"`{command}" in rows[name], (name, command, rows[name])

@@ -41,6 +41,15 @@ LONGER = {
     "transformer_basics/train_moe.py": (120, "a GPT training script: MoE blocks, dp x ep mesh"),
     "ddp_basics/ddp_checkpoint.py": (160, "save, load and the resumable job that uses them"),
     "ddp_basics/ddp_overlap.py": (110, "timing hooks on autograd and on DDP's buckets: the lesson"),
+    # fsdp_basics/: the lessons that write a mechanism out by hand
+    "fsdp_basics/fsdp_checkpoint.py": (
+        141,
+        "save, load and the atomic publish are each written out",
+    ),
+    "fsdp_basics/fsdp_memory_plan.py": (124, "the fake-group planner, the real step, activations"),
+    "fsdp_basics/zero_by_hand.py": (121, "ZeRO-3 by hand: an autograd.Function and a module"),
+    "fsdp_basics/zero_redundancy_optimizer.py": (99, "training, consolidation, save and load"),
+    "fsdp_basics/zero_stages.py": (111, "ZeRO-1 and 2 by hand: the flat buffer and its slices"),
 }
 
 

@@ -40,7 +40,47 @@ PRIMITIVES = [
         [("dist.all_reduce(t, op=getattr(dist.ReduceOp, name))", "pass")],
         "all_reduce SUM gave",
         quick=True,
-    )
+    ),
+    # ring_all_reduce, ring_all_reduce_pipelined, benchmark_collectives, weight_sync, the DTensor
+    # lessons, grad_through_collectives: one block, kept at the end of this list.
+    Mutation(
+        "ring_all_reduce-copy-instead-of-add",
+        "primitives/ring_all_reduce.py",
+        [("chunks[recv_i].add_(incoming)", "chunks[recv_i].copy_(incoming)")],
+        "ring all-reduce of 7 elements differs from a plain sum",
+        nproc=3,
+        args=("--sizes", "7", "--iters", "1"),
+        quick=True,
+    ),
+    Mutation(  # was --reduce-before-wait: with 4 pieces per segment at 3 ranks, 16 adds per rank
+        # on 16 K-element pieces race their receives; every add would have to lose the race for
+        # the sum to come out right
+        "ring_all_reduce_pipelined-add-before-wait",
+        "primitives/ring_all_reduce_pipelined.py",
+        [  # the add moved from after the wait to before it
+            (
+                "into, works = posted[k]\n",
+                "into, works = posted[k]\n        if add:\n            recv.add_(into)\n",
+            ),
+            ("            recv.add_(into)  # the overlap", "            pass  # the overlap"),
+        ],
+        "pipelined ring (4 chunks) all-reduce of 65537 elements differs from a plain sum",
+        nproc=3,
+        args=("--sizes", "65537", "--chunks", "4", "--iters", "1"),
+    ),
+    Mutation(  # was --corrupt-for-testing: the in-place all_gather idiom, the input never copied in
+        "benchmark_collectives-all-gather-in-place-without-its-input",
+        "primitives/benchmark_collectives.py",
+        [
+            (
+                "lambda: ALL_GATHER_SINGLE(out, inp)",
+                "lambda: ALL_GATHER_SINGLE(out, out[rank * part : (rank + 1) * part])",
+            )
+        ],
+        "wrong result of all_gather",
+        args=("--ops", "all_reduce,all_gather", "--max-bytes", "4K"),
+        file="benchmark_calls.py",
+    ),
 ]
 
 

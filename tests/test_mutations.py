@@ -81,6 +81,18 @@ PRIMITIVES = [
         args=("--ops", "all_reduce,all_gather", "--max-bytes", "4K"),
         file="benchmark_calls.py",
     ),
+    Mutation(  # the worker receives each bucket into a new tensor, not the one its parameters view
+        "weight_sync-bucket-received-into-a-copy",
+        "primitives/weight_sync.py",
+        [
+            (
+                "dist.broadcast(flats[i], src=trainer, group=sync_group)",
+                "dist.broadcast(_flatten_dense_tensors(bucket), src=trainer, group=sync_group)",
+            )
+        ],
+        "after bucketed sync at step 0 a parameter of shape",
+        args=("--steps", "1"),
+    ),
 ]
 
 

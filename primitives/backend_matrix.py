@@ -18,6 +18,7 @@ and start new children from the next call.
     torchrun --nproc_per_node=2 primitives/backend_matrix.py
     python primitives/backend_matrix.py --nproc 4 --op-timeout 10
 
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
 Docs: https://pytorch.org/docs/stable/distributed.html#backends
 """
 
@@ -30,16 +31,57 @@ import signal
 import torch
 import torch.distributed as dist
 from backend_probes import calls
-from launch.dist_setup import lesson_parser, print0, run
+from launch.dist_setup import float_in, lesson_parser, print0, run
+
+
+def main(args, ctx):
+    ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: run with --nproc_per_node=2 or more")
+    n = ctx.world_size
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    has_gpu = gpus >= ctx.local_world_size  # one GPU per local rank, or the CUDA columns are off
+    columns = [
+        ("Gloo", "gloo", "cpu", dist.is_gloo_available()),
+        ("Gloo", "gloo", "cuda", dist.is_gloo_available() and has_gpu),
+        ("NCCL", "nccl", "cuda", dist.is_nccl_available() and has_gpu),
+    ]
+    # A CPU group for the parents to agree on outcomes; it waits while the children probe.
+    wait = datetime.timedelta(seconds=3 * args.timeout + args.op_timeout)
+    coord = dist.new_group(backend="gloo", timeout=wait)
+    store_at, _server = serve_store_for_children(coord)  # rank 0 keeps _server alive to the end
+    names = [name for name, _ in calls(ctx.rank, n, torch.device("cpu"))]
+    outcomes = [
+        probe(args, ctx, backend, dev, len(names), gpus, store_at, coord) if available else None
+        for _, backend, dev, available in columns
+    ]
+    supported = print_table(names, columns, outcomes)
+    print_made_with(args, n, gpus, names, columns, supported)
+
+
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
+def print_made_with(args, n, gpus, names, columns, supported):
+    print0(
+        f"\nMade with torch {torch.__version__} on {platform.system()} {platform.machine()}, "
+        f"{n} ranks, {gpus} GPU(s), by: python primitives/backend_matrix.py --nproc {n} "
+        f"--op-timeout {args.op_timeout:g}"
+    )
+    live = [f"{label}/{dev.upper()}" for label, _, dev, available in columns if available]
+    print0(
+        f"OK: tried {len(names)} calls on {', '.join(live)} with {n} ranks, each result checked: "
+        f"{supported} of {len(names) * len(live)} work; {len(columns) - len(live)} "
+        "backend/device pair(s) not available here"
+    )
 
 
 def error_text(e):
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
 
 
-def probe_column(conn, backend, device_type, start, rank, n, local_rank, gpus, store_at, timeouts):
+def probe_column(conn, backend, device_type, start, ranks, gpus, store_at, timeouts):
     """The child process: try the calls from `start` on. After each call the ranks agree on every
     rank's outcome and send it up the pipe: (index, [error or None per rank])."""
+    rank, n, local_rank = ranks
     op_timeout, coord_timeout = (datetime.timedelta(seconds=t) for t in timeouts)
     torch.set_num_threads(1)
     dev = torch.device("cuda", local_rank % gpus) if device_type == "cuda" else torch.device("cpu")
@@ -55,7 +97,7 @@ def probe_column(conn, backend, device_type, start, rank, n, local_rank, gpus, s
             store=store,
             rank=rank,
             world_size=n,
-            timeout=op_timeout,
+            timeout=coord_timeout,  # only makes the groups below: a loaded machine may be slow
             device_id=dev if dev.type != "cpu" else None,
         )
         coord = dist.new_group(backend="gloo", timeout=coord_timeout)  # to agree on outcomes
@@ -73,9 +115,7 @@ def probe_column(conn, backend, device_type, start, rank, n, local_rank, gpus, s
             error = error_text(e)
         errors = [None] * n
         try:
-            dist.all_gather_object(
-                errors, error, group=coord
-            )  # pickles: fine between our own ranks
+            dist.all_gather_object(errors, error, group=coord)  # pickles: fine between our ranks
         except Exception:
             os._exit(3)  # a peer's process is gone: leave too, the parents know where we were
         conn.send((i, errors))
@@ -88,31 +128,23 @@ def probe_column(conn, backend, device_type, start, rank, n, local_rank, gpus, s
 
 
 def run_child(args, ctx, backend, device_type, start, gpus, store_at, attempt):
-    """Start one child, collect what it reports until it ends or goes quiet, and end it.
-    Returns ({call index: errors per rank}, the error that stopped its set-up or None, exit code)."""
+    """Start one child, collect what it reports until it ends or goes quiet, and end it. Returns
+    ({call index: errors per rank}, the error that stopped its set-up or None, its exit code)."""
     spawn = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA or threads
     receiver, sender = spawn.Pipe(duplex=False)
+    ranks, timeouts = (ctx.rank, ctx.world_size, ctx.local_rank), (args.op_timeout, args.timeout)
+    where = (
+        store_at,
+        f"matrix/{backend}/{device_type}/{attempt}",
+    )  # a fresh store prefix each time
     child = spawn.Process(
         target=probe_column,
-        args=(
-            sender,
-            backend,
-            device_type,
-            start,
-            ctx.rank,
-            ctx.world_size,
-            ctx.local_rank,
-            gpus,
-            (store_at, f"matrix/{backend}/{device_type}/{attempt}"),
-            (args.op_timeout, args.timeout),
-        ),
+        args=(sender, backend, device_type, start, ranks, gpus, where, timeouts),
     )
     child.start()
     sender.close()
     seen, init_error = {}, None
-    quiet_after = (
-        args.op_timeout + 2 * args.timeout
-    )  # a call, the agreement after it, or the start-up
+    quiet_after = args.op_timeout + 2 * args.timeout  # a call and the agreement, or the start
     while receiver.poll(quiet_after):
         try:
             index, errors = receiver.recv()
@@ -169,7 +201,7 @@ def probe(args, ctx, backend, device_type, count, gpus, store_at, coord):
 
 
 def serve_store_for_children(coord):
-    """Rank 0 serves a TCPStore on a free port of MASTER_ADDR (its host); every rank learns the port."""
+    """Rank 0 serves a TCPStore on a free port of MASTER_ADDR (its host); every rank learns it."""
     host = os.environ["MASTER_ADDR"]
     server = (
         dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
@@ -182,7 +214,7 @@ def serve_store_for_children(coord):
 
 
 def print_table(names, columns, outcomes):
-    """The Markdown table, then the numbered reasons for its "no" cells; returns the count of "yes"."""
+    """The Markdown table, then the numbered reasons for its "no" cells; returns how many "yes"."""
     print0(f"| call | {' | '.join(f'{label} / {dev.upper()}' for label, _, dev, _ in columns)} |")
     print0(f"|---|{'---|' * len(columns)}")
     notes, supported = [], 0
@@ -204,48 +236,11 @@ def print_table(names, columns, outcomes):
     return supported
 
 
-def main(args, ctx):
-    ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: run with --nproc_per_node=2 or more")
-    ctx.require(args.op_timeout > 0, "--op-timeout must be positive")
-    n = ctx.world_size
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    has_gpu = gpus >= ctx.local_world_size  # one GPU per local rank, or the CUDA columns are off
-    columns = [
-        ("Gloo", "gloo", "cpu", dist.is_gloo_available()),
-        ("Gloo", "gloo", "cuda", dist.is_gloo_available() and has_gpu),
-        ("NCCL", "nccl", "cuda", dist.is_nccl_available() and has_gpu),
-    ]
-    # A CPU group for the parents to agree on outcomes; it waits while the children probe.
-    coord = dist.new_group(
-        backend="gloo", timeout=datetime.timedelta(seconds=3 * args.timeout + args.op_timeout)
-    )
-    store_at, _server = serve_store_for_children(
-        coord
-    )  # _server: rank 0 keeps it alive until the end
-    names = [name for name, _ in calls(ctx.rank, n, torch.device("cpu"))]
-    outcomes = [
-        probe(args, ctx, backend, dev, len(names), gpus, store_at, coord) if available else None
-        for _, backend, dev, available in columns
-    ]
-
-    supported = print_table(names, columns, outcomes)
-    print0(
-        f"\nMade with torch {torch.__version__} on {platform.system()} {platform.machine()}, {n} ranks, "
-        f"{gpus} GPU(s), by: python primitives/backend_matrix.py --nproc {n} --op-timeout {args.op_timeout:g}"
-    )
-    live = [f"{label}/{dev.upper()}" for label, _, dev, available in columns if available]
-    print0(
-        f"OK: tried {len(names)} calls on {', '.join(live)} with {n} ranks, each result checked: "
-        f"{supported} of {len(names) * len(live)} work; {len(columns) - len(live)} backend/device pair(s) "
-        "not available here"
-    )
-
-
 if __name__ == "__main__":
     parser = lesson_parser(__doc__, min_ranks=2)
     parser.add_argument(
         "--op-timeout",
-        type=float,
+        type=float_in(0, 3600, low_open=True),
         default=5.0,
         help="seconds a call may take before it counts as no",
     )

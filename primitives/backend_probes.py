@@ -1,7 +1,8 @@
 """The calls that backend_matrix.py (a tool) tries, each with the check of its result.
 
-A probe makes one call on a group and raises if the backend refuses it or the result is wrong (rank
-r holds r + 1). Unbatched send/recv go in pairs, never in a ring that may deadlock on NCCL (deadlock.py).
+A probe makes one call on a group and raises if the backend refuses it or the result is wrong
+(rank r holds r + 1). Unbatched send/recv go in pairs, never in a ring that may deadlock on NCCL
+(deadlock.py).
 """
 
 import datetime
@@ -10,12 +11,12 @@ import functools
 import torch
 import torch.distributed as dist
 
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (1.13-2.12) to *_single; the old names
-# still work there but emit a FutureWarning (deprecated: distributed_c10d.py).
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (1.13-2.12) to *_single; the old
+# names still work there but emit a FutureWarning (deprecated: distributed_c10d.py).
 ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-# torch 2.13: ReduceOp.PREMUL_SUM(factor) makes the op (public since pytorch PR #172216); before, only the
-# private dist._make_nccl_premul_sum(factor) did.
+# torch 2.13: ReduceOp.PREMUL_SUM(factor) makes the op (public since pytorch PR #172216); before,
+# only the private dist._make_nccl_premul_sum(factor) did.
 PREMUL_SUM = (
     dist.ReduceOp.PREMUL_SUM if callable(dist.ReduceOp.PREMUL_SUM) else dist._make_nccl_premul_sum
 )
@@ -202,15 +203,10 @@ def reduce_op_calls(rank, n, dev):
     """One all_reduce per ReduceOp, with the value it must give when rank r holds r + 1."""
     values = range(1, n + 1)
     band, bor, bxor = (functools.reduce(f, values) for f in (int.__and__, int.__or__, int.__xor__))
-    total, R = sum(values), dist.ReduceOp
+    total, product, R = sum(values), functools.reduce(int.__mul__, values), dist.ReduceOp
     ops = [  # (row name, a function that makes the op, expected value, dtype)
         ("ReduceOp.SUM", lambda: R.SUM, total, torch.float32),
-        (
-            "ReduceOp.PRODUCT",
-            lambda: R.PRODUCT,
-            float(functools.reduce(int.__mul__, values)),
-            torch.float32,
-        ),
+        ("ReduceOp.PRODUCT", lambda: R.PRODUCT, float(product), torch.float32),
         ("ReduceOp.MIN", lambda: R.MIN, 1.0, torch.float32),
         ("ReduceOp.MAX", lambda: R.MAX, float(n), torch.float32),
         ("ReduceOp.AVG", lambda: R.AVG, total / n, torch.float32),

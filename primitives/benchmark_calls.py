@@ -9,13 +9,14 @@ import torch
 import torch.distributed as dist
 
 CHUNK = 1 << 22  # elements per step of fill and check: their temporaries stay near 0.3 GB
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single; older names kept working.
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names still
+# work there, with a FutureWarning); older releases have only the old names.
 ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def value(r, i):
-    """Rank r's input at index i (a tensor of indices): small integers, so sums are exact in float types."""
+    """Rank r's input at index i (a tensor of indices): small integers, so every sum is exact."""
     return i % 7 + r + 1
 
 
@@ -28,7 +29,7 @@ def fill(buf, r):
 
 
 def first_wrong(result, expected, rtol):
-    """(index, got, want) of the first element of result that differs from expected(index), or None."""
+    """(index, got, want) of the first element of result unlike expected(index), or None."""
     flat = result.view(-1)
     for start in range(0, flat.numel(), CHUNK):
         idx = torch.arange(start, min(start + CHUNK, flat.numel()), device=flat.device)
@@ -43,8 +44,9 @@ def first_wrong(result, expected, rtol):
 
 
 def make_call(op, count, dtype, device, rank, n):
-    """(result, input, call, expected) for one message of `count` elements (count % n == 0): expected(i)
-    is what result[i] must hold, in closed form (None where it is undefined). At most twice the message."""
+    """(result, input, call, expected) for one message of `count` elements (count % n == 0):
+    expected(i) is what result[i] must hold, in closed form (None where it is undefined). At most
+    twice the message."""
     part, right, left = count // n, (rank + 1) % n, (rank - 1) % n
     out = torch.empty(part if op == "reduce_scatter" else count, dtype=dtype, device=device)
     in_place = op in ("all_reduce", "broadcast", "reduce")
@@ -88,9 +90,10 @@ def make_call(op, count, dtype, device, rank, n):
 
 
 def tolerance(dtype, n):
-    """Every value a result holds is an integer no larger than all_reduce's 6n + n(n+1)/2. A float type
-    holds every integer up to 2^(mantissa bits + 1) = 2 / eps exactly, so up to there any sum is exact
-    and the check bit for bit (float32: any sane n; bfloat16: n <= 17; float16: n <= 58). Beyond, each
-    of a reduction's n-1 additions may round by half an ulp: n * eps bounds the relative error."""
+    """Every value a result holds is an integer no larger than all_reduce's 6n + n(n+1)/2. A float
+    type holds every integer up to 2^(mantissa bits + 1) = 2 / eps exactly, so up to there any sum
+    is exact and the check bit for bit (float32: any sane n; bfloat16: n <= 17; float16: n <= 58).
+    Beyond, each of a reduction's n-1 additions may round by half an ulp: n * eps bounds the
+    relative error."""
     eps = torch.finfo(dtype).eps
     return 0.0 if 6 * n + n * (n + 1) // 2 <= 2 / eps else n * eps

@@ -1,15 +1,17 @@
 """Debugging hangs: four tools that turn a silent, stuck job into a message that names the cause.
 
-What goes into your own job; parts (a) to (d) show each at work, on a rank that misbehaves:
-    dist.monitored_barrier(timeout=..., wait_all_ranks=True)  # (a) Gloo: names the ranks that never came
-    TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun ...  # (b) debug runs: every collective compared across ranks
-    dist.init_process_group(..., timeout=timedelta(minutes=10))  # (c) a rank that waits longer raises
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # (d) then `kill -USR1 PID` prints the stacks
-Each part runs on a Gloo side group with a short --demo-timeout; the default group waits between parts.
+What goes into your own job (main below sets up (c) and (d) as a job would):
+    dist.monitored_barrier(timeout=..., wait_all_ranks=True)  # (a) Gloo: names who never came
+    TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun ...  # (b) debug runs: calls compared across ranks
+    dist.init_process_group(..., timeout=timedelta(minutes=10))  # (c) a waiting rank raises
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # (d) `kill -USR1 PID`: the stacks
+Below the divider, parts (a) to (d) show each at work on a rank that misbehaves, on a Gloo side
+group with a short --demo-timeout, and check that the tool named the cause.
 
     torchrun --nproc_per_node=3 primitives/debug_hangs.py
     python primitives/debug_hangs.py --nproc 2 --demo-timeout 3 --missing-rank 1
 
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
 Docs: https://pytorch.org/docs/stable/distributed.html#debugging-torch-distributed-applications
 """
 
@@ -26,7 +28,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from launch.dist_setup import lesson_parser, print0, print_in_order, run
+from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_order, run
 
 
 def main(args, ctx):
@@ -37,12 +39,12 @@ def main(args, ctx):
         f"--missing-rank must be between 1 and {ctx.world_size - 1} "
         "(rank 0 is the one that monitors)",
     )
-    ctx.require(args.demo_timeout > 0, "--demo-timeout must be positive")
     ctx.require(
         set(args.parts.split(",")) <= set("abcd"), "--parts: a comma-separated subset of a,b,c,d"
     )
 
-    # (d) The line for your training script. Without file= the stacks go to stderr (here: part (d) reads them).
+    # (d) The line for your training script. Without file= the stacks go to stderr (here part (d)
+    # reads them back).
     stacks = tempfile.TemporaryFile("w+")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     # (c) The timeout of every demonstration's group: init_process_group(timeout=...) in a real job.
@@ -59,11 +61,14 @@ def main(args, ctx):
     print0(f"OK: {'; '.join(results)} (missing rank {missing}, {args.demo_timeout:g}s timeouts)")
 
 
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
 def part_a(ctx, demo):
     """monitored_barrier: rank 0 waits for a message from every rank and names the absent."""
     side = dist.new_group(backend="gloo", timeout=demo.timeout)
     outcome = "skipped the barrier (the bug under study)"
-    dist.barrier()  # start together: on a loaded machine a late (but present) rank would be named too
+    dist.barrier()  # start together: on a loaded machine a late (but present) rank may be named
     if ctx.rank != demo.missing:
         try:
             dist.monitored_barrier(group=side, timeout=demo.timeout, wait_all_ranks=True)
@@ -75,24 +80,24 @@ def part_a(ctx, demo):
     print_in_order(f"monitored_barrier: {outcome}")
     if ctx.rank == 0:
         named = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", outcome)
-        if not named or sorted(int(r) for r in named.group(1).replace(",", " ").split()) != [
-            demo.missing
-        ]:
+        if not named or sorted(map(int, re.findall(r"\d+", named.group(1)))) != [demo.missing]:
             raise RuntimeError(
-                f"monitored_barrier should have named rank {demo.missing}, its message was: {outcome}"
+                f"monitored_barrier should have named rank {demo.missing}, its message was: "
+                f"{outcome}"
             )
         print0(
-            f"-> missing rank: {demo.missing}. Rank 0 collects one message per rank and, with wait_all_ranks=True, "
-            "lists every rank that did not arrive in time instead of stopping at the first."
+            f"-> missing rank: {demo.missing}. Rank 0 collects one message per rank and, with "
+            "wait_all_ranks=True, lists every rank that did not arrive in time instead of stopping "
+            "at the first."
         )
     return f"monitored_barrier named missing rank {demo.missing}"
 
 
 def part_b(ctx, demo):
     """TORCH_DISTRIBUTED_DEBUG=DETAIL wraps the group: each call is fingerprinted and compared."""
-    # TORCH_DISTRIBUTED_DEBUG=DETAIL, read at import, wraps every group made at that level (torch 2.13,
-    # distributed_c10d.py, _new_process_group_helper): here only these two. A mismatch raises at once;
-    # the long timeout covers the wrapper's pre-check, which a loaded machine may delay.
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL, read at import, wraps every group made at that level (torch
+    # 2.13, distributed_c10d.py, _new_process_group_helper): here only these two. A mismatch raises
+    # at once; the long timeout covers the wrapper's pre-check, which a loaded machine may delay.
     before = dist.get_debug_level()
     dist.set_debug_level(dist.DebugLevel.DETAIL)
     slack = max(demo.timeout, datetime.timedelta(seconds=30))
@@ -101,9 +106,8 @@ def part_b(ctx, demo):
     dist.set_debug_level(before)
     caught = 0
     try:  # (b1) one rank reduces 5 elements, the others 4
-        dist.all_reduce(
-            torch.ones(5 if ctx.rank == demo.missing else 4, device="cpu"), group=shapes_group
-        )
+        t = torch.ones(5 if ctx.rank == demo.missing else 4, device="cpu")
+        dist.all_reduce(t, group=shapes_group)
         shapes = "no error (unexpected)"
     except RuntimeError as error:
         shapes, caught = first_line(error), caught + 1
@@ -127,15 +131,15 @@ def part_b(ctx, demo):
         raise RuntimeError(
             f"DETAIL should have raised 2 errors on each of {ctx.world_size} ranks, saw {caught}"
         )
-    if ctx.rank == 0 and not all(
-        f"Rank {demo.missing} is running" in text for text in (shapes, order)
-    ):
+    named = all(f"Rank {demo.missing} is running" in text for text in (shapes, order))
+    if ctx.rank == 0 and not named:
         raise RuntimeError(
             f"rank 0's DETAIL errors should name rank {demo.missing}: {shapes} / {order}"
         )
     print0(
-        "-> with DETAIL every rank raises at the first call that differs, and the message shows both ranks' "
-        "op, shape and dtype. Without it: a wrong result, a crash or a hang, depending on the backend."
+        "-> with DETAIL every rank raises at the first call that differs, and the message shows "
+        "both ranks' op, shape and dtype. Without it: a wrong result, a crash or a hang, depending "
+        "on the backend."
     )
     return f"DETAIL raised {caught} mismatch errors"
 
@@ -158,9 +162,9 @@ def part_c(ctx, demo):
     if timed_out != ctx.world_size - 1:
         raise RuntimeError(f"expected {ctx.world_size - 1} ranks to time out, saw {timed_out}")
     print0(
-        f"-> {timed_out} rank(s) got an exception after the {demo.timeout.total_seconds():g}s timeout: it says that "
-        "this rank waited, not who is missing ((a) does). On NCCL the watchdog ends the process instead "
-        "(TORCH_NCCL_ASYNC_ERROR_HANDLING)."
+        f"-> {timed_out} rank(s) got an exception after the {demo.timeout.total_seconds():g}s "
+        "timeout: it says that this rank waited, not who is missing ((a) does). On NCCL the "
+        "watchdog ends the process instead (TORCH_NCCL_ASYNC_ERROR_HANDLING)."
     )
     return f"a short timeout ended {timed_out} hung rank(s)"
 
@@ -170,8 +174,9 @@ def part_d(ctx, demo):
     side = dist.new_group(backend="gloo", timeout=demo.timeout)
     dist.barrier()
     if ctx.rank != demo.missing:
-        # `kill -USR1 PID` from a thread, while the rank is stuck. The thread lives until the broadcast
-        # returns: the handler walks every thread's stack, and a thread that exits meanwhile can crash it.
+        # `kill -USR1 PID` from a thread, while the rank is stuck. The thread lives until the
+        # broadcast returns: the handler walks every thread's stack, and one that exits meanwhile
+        # can crash it.
         done = threading.Event()
 
         def poke():
@@ -182,34 +187,30 @@ def part_d(ctx, demo):
         poker = threading.Thread(target=poke)
         poker.start()
         try:
-            waits_at = f"line {sys._getframe().f_lineno + 1} in part_d"  # what the dump should show
-            dist.broadcast(
-                torch.ones(4, device="cpu"), src=demo.missing, group=side
-            )  # the source never sends: stuck
+            # The source never sends: stuck on the next line but one, which the dump should show.
+            waits_at = f"line {sys._getframe().f_lineno + 1} in part_d"
+            dist.broadcast(torch.ones(4, device="cpu"), src=demo.missing, group=side)
         except RuntimeError:
             pass  # part (c) showed this error; here we want the stack taken while it waited
         done.set()
-        poker.join()  # the signal must arrive while main's handler is registered (default action: exit)
+        poker.join()  # the signal must come while main's handler is registered (by default: exit)
     dist.barrier()
     dist.destroy_process_group(side)
     demo.stacks.seek(0)
     frames = [line.strip() for line in demo.stacks.read().splitlines() if "debug_hangs.py" in line]
     shown = "\n".join(frames) if ctx.rank != demo.missing else "not stuck: no stack asked for"
     print_in_order(
-        f"pid {os.getpid()}; Python stack taken by SIGUSR1 while waiting (frames in this file):\n{shown}"
+        f"pid {os.getpid()}; Python stack taken by SIGUSR1 while waiting (frames in this file):"
+        f"\n{shown}"
     )
-    if (
-        sum_over_ranks(ctx, int(ctx.rank == demo.missing or any(waits_at in f for f in frames)))
-        != ctx.world_size
-    ):
-        raise RuntimeError(
-            "a stuck rank's faulthandler dump did not show the broadcast it waited in"
-        )
+    shown_right = ctx.rank == demo.missing or any(waits_at in f for f in frames)
+    if sum_over_ranks(ctx, int(shown_right)) != ctx.world_size:
+        raise RuntimeError("a stuck rank's dump did not show the broadcast it waited in")
     pids = [None] * ctx.world_size
     dist.all_gather_object(pids, os.getpid())  # pickles: fine between our own ranks
     print0(
-        f"-> each stuck rank's dump shows the line of the broadcast it waited in. Without changing the code: "
-        f"`py-spy dump --pid {pids[0]}` (add --native for C++ frames; for all ranks: "
+        "-> each stuck rank's dump shows the line of the broadcast it waited in. Without changing "
+        f"the code: `py-spy dump --pid {pids[0]}` (add --native for C++ frames; for all ranks: "
         f"`for p in {' '.join(map(str, pids))}; do py-spy dump --pid $p; done`)."
     )
     return f"faulthandler dumped {ctx.world_size - 1} stuck rank(s)' stacks"
@@ -231,10 +232,15 @@ def sum_over_ranks(ctx, count):
 if __name__ == "__main__":
     parser = lesson_parser(__doc__, min_ranks=2)
     parser.add_argument(
-        "--missing-rank", type=int, help="the rank that skips a call (default: the last)"
+        "--missing-rank",
+        type=int_in(1, 4095),
+        help="the rank that skips a call (default: the last; rank 0 monitors)",
     )
     parser.add_argument(
-        "--demo-timeout", type=float, default=2.0, help="seconds each demonstration waits"
+        "--demo-timeout",
+        type=float_in(0, 600, low_open=True),
+        default=2.0,
+        help="seconds each demonstration waits",
     )
     parser.add_argument("--parts", default="a,b,c,d", help="which parts to run, e.g. a,c")
     run(main, parser.parse_args())

@@ -1,17 +1,20 @@
-"""redistribute is a collective: which one, for each pair of placements, found by counting the calls.
+"""redistribute is a collective: which one, for each pair of placements, found by counting the
+calls.
 
-DTensor.redistribute(mesh, [placement]) changes how a tensor is laid out over the mesh. CommDebugMode
-(torch.distributed.tensor.debug) counts the collectives that run inside it, so the lesson finds, for
-each pair, the call DTensor makes: Shard -> Replicate an all_gather, Partial -> Replicate an all_reduce,
-Partial -> Shard a reduce_scatter, Shard(0) -> Shard(1) an all_to_all (on a CPU mesh DTensor falls back to an
-all_gather and a chunk: torch/distributed/tensor/_collective_utils.py), Replicate -> Shard nothing at all.
-distribute_tensor and full_tensor are in the table too. Each result is checked against the plain tensor.
-The placements themselves: dtensor_basics.py.
+DTensor.redistribute(mesh, [placement]) changes how a tensor is laid out over the mesh.
+CommDebugMode (torch.distributed.tensor.debug) counts the collectives that run inside it, so the
+lesson finds, for each pair, the call DTensor makes: Shard -> Replicate an all_gather, Partial ->
+Replicate an all_reduce, Partial -> Shard a reduce_scatter, Shard(0) -> Shard(1) an all_to_all (on a
+CPU mesh DTensor falls back to an all_gather and a chunk:
+torch/distributed/tensor/_collective_utils.py), Replicate -> Shard nothing at all. distribute_tensor
+and full_tensor are in the table too. Each result is checked against the plain tensor. The
+placements themselves: dtensor_basics.py.
 
     torchrun --nproc_per_node=3 primitives/dtensor_redistribute.py
     python primitives/dtensor_redistribute.py --nproc 4 --rows 16 --cols 8
 
-Docs: https://pytorch.org/docs/stable/distributed.tensor.html#torch.distributed.tensor.DTensor.redistribute
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group. Docs:
+https://pytorch.org/docs/stable/distributed.tensor.html#torch.distributed.tensor.DTensor.redistribute
       https://pytorch.org/docs/stable/distributed.tensor.html#debugging (CommDebugMode)
 """
 
@@ -19,37 +22,25 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
-from launch.dist_setup import lesson_parser, print0, print_in_order, run, test_flags
+from launch.dist_setup import int_in, lesson_parser, print0, print_in_order, run
 
 
 def main(args, ctx):
     rank, world = ctx.rank, ctx.world_size
     ctx.require(
-        args.rows >= 1 and args.cols >= 1,
-        f"--rows and --cols must be at least 1: {args.rows}, {args.cols}",
-    )
-    ctx.require(
         (100 * args.rows + args.cols) * world * (world + 1) < 2**24,
-        "--rows too large for the exact "
-        "float32 checks (the Partial's sum must stay below 2**24): try --rows 1000",
+        "--rows too large for the exact float32 checks (the Partial's sum must stay below 2**24): "
+        "try --rows 1000",
     )
-    full = 100 * torch.arange(args.rows, device=ctx.device)[:, None] + torch.arange(
-        args.cols, device=ctx.device
-    )
-    full = full.float()  # 100 * row + column: each value says where it sits
+    full = 100 * torch.arange(args.rows, device=ctx.device)[:, None]
+    full = (full + torch.arange(args.cols, device=ctx.device)).float()  # where each value sits
     mesh = init_device_mesh(ctx.device.type, (world,))
 
     s0, s1, rep = (distribute_tensor(full, mesh, [p]) for p in (Shard(0), Shard(1), Replicate()))
-    part = DTensor.from_local(
-        full * (rank + 1), mesh, [Partial()]
-    )  # rank r holds (r + 1) x full: value is the sum
+    part = DTensor.from_local(full * (rank + 1), mesh, [Partial()])  # the value: sum of the terms
 
     def move(src, dst):
-        if args.relabel:  # the bug: a new label on the same local data, nothing moved
-            return DTensor.from_local(
-                src.to_local(), mesh, [dst], shape=src.shape, stride=src.stride()
-            )
-        return src.redistribute(mesh, [dst])
+        return src.redistribute(mesh, [dst])  # a collective, on every rank of the mesh
 
     moves = {
         "distribute_tensor -> Shard(0)": lambda: distribute_tensor(full, mesh, [Shard(0)]),
@@ -69,28 +60,26 @@ def main(args, ctx):
         with CommDebugMode() as comms:  # counts every collective the call makes on this rank
             try:
                 out = call()
-            except (
-                RuntimeError
-            ) as error:  # DTensor refuses some pairs: keep the reason for the table
+            except RuntimeError as error:  # DTensor refuses some pairs: the reason is in the table
                 out = error
         results[name] = (out, comms.get_comm_counts())
 
-    value = {
-        "Partial": full * world * (world + 1) / 2
-    }  # what the Partial stands for; every other source: full
     print_table(results)
-    print_in_order(
-        "my pieces: "
-        + ", ".join(
-            f"{tuple(out.to_local().shape)}"
-            for out, _ in results.values()
-            if isinstance(out, DTensor)
-        )
-    )
+    check_and_print_pieces(ctx, results, full, args)
+
+
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
+def check_and_print_pieces(ctx, results, full, args):
+    world = ctx.world_size
+    value = {"Partial": full * world * (world + 1) / 2}  # what the Partial stands for; else: full
+    pieces = [out.to_local().shape for out, _ in results.values() if isinstance(out, DTensor)]
+    print_in_order(f"my pieces: {', '.join(str(tuple(shape)) for shape in pieces)}")
     check_results(ctx, results, full, value)
     print0(
-        f"OK: {len(results)} moves over {world} rank(s) ({args.rows} x {args.cols}): each collective counted, "
-        "each result equal to the plain tensor's piece"
+        f"OK: {len(results)} moves over {world} rank(s) ({args.rows} x {args.cols}): each "
+        "collective counted, each result equal to the plain tensor's piece"
     )
 
 
@@ -113,7 +102,7 @@ def print_table(results):
 
 
 def piece(value, placement, rank, world):
-    """What rank holds of value under placement, by hand: torch.chunk's split (ceil(n / world) each) for Shard."""
+    """What rank holds of value under placement, by hand: for Shard, torch.chunk's split."""
     if not isinstance(placement, Shard):
         return value
     n, size = value.shape[placement.dim], -(-value.shape[placement.dim] // world)
@@ -125,17 +114,13 @@ def check_results(ctx, results, full, value):
     for name, (out, _) in results.items():
         src = name.split(" ")[0].split(".")[0]
         want = value.get(src, full)
-        if (
-            name == "Replicate -> Partial"
-        ):  # redistributing to Partial is for DTensor's internal use only
+        if name == "Replicate -> Partial":  # to Partial is for DTensor's internal use only
             if not isinstance(out, RuntimeError):
                 raise RuntimeError(f"{name}: expected DTensor to refuse it, got {out}")
             continue
-        if not isinstance(
-            out, DTensor
-        ):  # full_tensor: a plain tensor, the whole value on every rank
+        if not isinstance(out, DTensor):  # full_tensor: the whole value on every rank
             mine, whole = out, out
-        else:  # the local piece first: checked on every rank before a collective on the wrong shapes
+        else:  # the local piece first, on every rank, before a collective on the wrong shapes
             mine = out.to_local()
             if not torch.equal(mine, piece(want, out.placements[0], ctx.rank, ctx.world_size)):
                 raise RuntimeError(
@@ -152,12 +137,7 @@ def check_results(ctx, results, full, value):
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument(
-        "--rows", type=int, default=10, help="rows of the tensor (10: uneven at 3 and 4 ranks)"
+        "--rows", type=int_in(1, 4096), default=10, help="rows (10: uneven at 3 and 4 ranks)"
     )
-    parser.add_argument("--cols", type=int, default=6, help="columns of the tensor")
-    test_flags(parser).add_argument(
-        "--relabel",
-        action="store_true",
-        help="DTensor.from_local(src.to_local(), [dst]) instead of redistribute",
-    )
+    parser.add_argument("--cols", type=int_in(1, 4096), default=6, help="columns of the tensor")
     run(main, parser.parse_args())

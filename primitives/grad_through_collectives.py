@@ -1,33 +1,26 @@
 """Gradients through collectives, on a global-batch contrastive loss (CLIP/SimCLR style).
 
-Every rank embeds its local pairs (a_i, b_i) with a shared Linear encoder, all-gathers every rank's
-b-embeddings and scores its a's against the whole global batch. Rank s's loss uses rank r's
-embeddings, so rank r's gradient must include what rank s's loss sends back through the gather:
-  - dist.all_gather has no autograd: the copies are constants, those terms are lost (the classic bug);
-  - the functional collective all_gather_single is differentiable (backward: reduce-scatter, SUM);
-  - an autograd.Function by hand: forward all_gather, backward all_reduce(SUM), keep this rank's slice.
---nn-functional adds torch.distributed.nn.functional.all_gather (deprecated in torch 2.13).
-All float32 (no TF32); checked against a float64 single-process run on the whole global batch.
+Each rank embeds its pairs (a_i, b_i) with a shared Linear encoder, all-gathers every rank's
+b-embeddings and scores its a's against the whole global batch: rank s's loss uses rank r's rows,
+so rank r's gradient must include what rank s's loss sends back through the gather. dist.all_gather
+has no autograd (those terms are lost: the classic bug); the functional all_gather_single is
+differentiable (backward: reduce-scatter, SUM); so is an autograd.Function by hand (backward:
+all_reduce SUM, keep this rank's slice). --nn-functional adds torch.distributed.nn.functional's
+all_gather (deprecated in torch 2.13). Float32 (no TF32), checked against float64 on one process.
 
     torchrun --nproc_per_node=3 primitives/grad_through_collectives.py
     python primitives/grad_through_collectives.py --nproc 4 --batch 32 --dim-in 64 --dim-out 32
-
-Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_gather
-      https://pytorch.org/docs/stable/distributed.html#autograd-enabled-communication-primitives
-      https://docs.pytorch.org/docs/main/distributed.functional_collectives.html
-      https://pytorch.org/docs/stable/notes/extending.html#extending-torch-autograd
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+Docs: https://pytorch.org/docs/stable/distributed.html#autograd-enabled-communication-primitives
 """
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from launch.dist_setup import lesson_parser, print0, print_in_order, run, test_flags
+from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_order, run
 
-# Torch 2.13, read in its source: torch/distributed/nn/functional.py's all_gather (and all_reduce, reduce_scatter,
-# broadcast, all_to_all_single) warn FutureWarning "deprecated, use torch.distributed._functional_collectives.
-# all_gather_single", differentiable there via register_autograd (backward: reduce_scatter_tensor "sum");
-# all_gather_tensor(_autograd) are deprecated aliases. Private (leading underscore) in 2.13: the public
-# torch.distributed.functional_collectives of the main docs above is not in 2.13 (ModuleNotFoundError).
+# Private in torch 2.13 (the docs' torch.distributed.functional_collectives is not in 2.13); the
+# deprecated torch/distributed/nn/functional.py points to it (its FutureWarning, torch 2.13).
 import torch.distributed._functional_collectives as funcol
 
 
@@ -35,8 +28,7 @@ class AllGatherWithGrad(torch.autograd.Function):
     """all_gather whose backward sends each rank the gradient of every rank's loss for its rows."""
 
     @staticmethod
-    def forward(ctx, z, reduce_in_backward=True):
-        ctx.reduce = reduce_in_backward
+    def forward(ctx, z):
         parts = [torch.empty_like(z) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, z.contiguous())
         return torch.cat(parts)
@@ -44,91 +36,73 @@ class AllGatherWithGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.clone(memory_format=torch.contiguous_format)  # ours to reduce in place
-        if ctx.reduce:
-            # SUM, not AVG: each rank's loss is a term of its own; the 1/world of the global mean comes once,
-            # when DDP averages the parameter gradients. (reduce_scatter_single: same slice, 1/world the traffic.)
-            dist.all_reduce(grad, op=dist.ReduceOp.SUM)
-        return grad.chunk(dist.get_world_size())[dist.get_rank()], None
+        # SUM, not AVG: each rank's loss is a term of its own; the 1/world of the global mean comes
+        # when DDP averages the gradients. (reduce_scatter_single: the same slice, less traffic.)
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        return grad.chunk(dist.get_world_size())[dist.get_rank()]
 
 
 def main(args, ctx):
-    rank, world, B = ctx.rank, ctx.world_size, args.batch
-    ctx.require(
-        min(B, args.dim_in, args.dim_out) >= 1, "--batch, --dim-in, --dim-out must be at least 1"
-    )
+    rank, world = ctx.rank, ctx.world_size
 
     def plain_all_gather(z):  # the bug
         parts = [torch.empty_like(z) for _ in range(world)]
         dist.all_gather(parts, z)  # no autograd: parts are detached copies
-        return torch.cat(
-            parts[:rank] + [z] + parts[rank + 1 :]
-        )  # the usual patch: only our own slot has a graph
+        return torch.cat(parts[:rank] + [z] + parts[rank + 1 :])  # the usual patch: only our slot
 
     # all_gather_single is the torch 2.13 name; 2.12 has the same op as all_gather_tensor_autograd
-    functional_all_gather = (
-        getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor_autograd
-    )
+    functional = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor_autograd
     gathers = {
         "plain dist.all_gather": plain_all_gather,
-        "functional all_gather_single": lambda z: functional_all_gather(z, 0, dist.group.WORLD),
-        "autograd.Function by hand": lambda z: AllGatherWithGrad.apply(
-            z, not args.unreduced_backward
-        ),
+        "functional all_gather_single": lambda z: functional(z, 0, dist.group.WORLD),
+        "autograd.Function by hand": AllGatherWithGrad.apply,
     }
-    if args.nn_functional:  # warns FutureWarning in torch 2.13 (torch/distributed/nn/functional.py)
-        import torch.distributed.nn.functional as dist_nn
+    if args.nn_functional:  # FutureWarning in torch 2.13 (torch/distributed/nn/functional.py)
+        from torch.distributed.nn.functional import all_gather as nn_gather
 
-        gathers["torch.distributed.nn.functional.all_gather"] = lambda z: torch.cat(
-            dist_nn.all_gather(z)
-        )
-
-    torch.backends.cuda.matmul.fp32_precision = (
-        "ieee"  # float32 matmuls, never TF32 (the bound below assumes it)
-    )
-    torch.manual_seed(
-        args.seed
-    )  # the same weights on every rank, as DDP's broadcast at start would make them
+        gathers["torch.distributed.nn.functional.all_gather"] = lambda z: torch.cat(nn_gather(z))
+    torch.backends.cuda.matmul.fp32_precision = "ieee"  # float32, never TF32: the bound assumes it
+    torch.manual_seed(args.seed)  # the same weights on every rank, as DDP's first broadcast makes
     encoder = torch.nn.Linear(args.dim_in, args.dim_out).to(ctx.device)
-    a_all, b_all = global_batch(args, world)
-    a, b = (t[rank * B : (rank + 1) * B].to(ctx.device) for t in (a_all, b_all))
-    labels = rank * B + torch.arange(
-        B, device=ctx.device
-    )  # a_i's partner is b_i, at its global row
-
+    a, b, labels = local_batch(args, ctx)  # labels: a_i's partner is b_i, at its global row
     grads = {}
     for name, gather in gathers.items():
         encoder.zero_grad()
         za, zb = (F.normalize(encoder(t), dim=1) for t in (a, b))
         zb_all = gather(zb)  # (world * B, dim_out): every rank's b-embeddings, in rank order
-        loss = F.cross_entropy(
-            za @ zb_all.T / args.temperature, labels
-        )  # mean over this rank's rows
+        loss = F.cross_entropy(za @ zb_all.T / args.temperature, labels)  # mean over my rows
         loss.backward()
         g = torch.cat([p.grad.flatten() for p in encoder.parameters()])
         dist.all_reduce(g)  # what DDP does: sum the ranks' gradients, divide by the world size
         grads[name] = g / world
-    print_in_order(
-        f"rows {rank * B}..{(rank + 1) * B - 1} of {world * B}, local loss {loss.item():.4f}"
-    )
-    check_gradients(args, ctx, grads, loss.detach())  # the loss: the same forward whichever gather
+    check_gradients(args, ctx, grads, loss.detach())  # the loss: the same whichever gather
+
+
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
+def local_batch(args, ctx):
+    """This rank's rows of the global batch, and the global row of each one's partner."""
+    rank, B = ctx.rank, args.batch
+    a, b = (t[rank * B : (rank + 1) * B].to(ctx.device) for t in global_batch(args, ctx.world_size))
+    return a, b, rank * B + torch.arange(B, device=ctx.device)
 
 
 def global_batch(args, world):
-    """The whole global batch, the same on every rank (one seed): pairs (a_i, b_i), b a noisy view of a."""
+    """The whole global batch, the same on every rank (one seed): pairs (a_i, b_i), b near a."""
     gen = torch.Generator().manual_seed(args.seed + 1)
     a = torch.randn(world * args.batch, args.dim_in, generator=gen, device="cpu")
     return a, a + 0.5 * torch.randn(a.shape, generator=gen, device="cpu")
 
 
 def single_process_gradient(args, world):
-    """Plain torch, one process, float64, the whole global batch: L = mean over all world*B rows = (1/world)
-    sum_r L_r, L_r the mean over rank r's rows. With a correct gather, rank r's gradient g_r is L_r's own
-    gradient plus (the gather's backward) every other L_s's gradient through rank r's embeddings, so
-    sum_r g_r = d(sum_r L_r)/dtheta = world * dL/dtheta: the DDP average of the g_r is dL/dtheta."""
+    """Plain torch, one process, float64, the whole global batch: L = mean over all world*B rows =
+    (1/world) sum_r L_r, L_r the mean over rank r's rows. With a correct gather, rank r's gradient
+    g_r is L_r's own gradient plus (the gather's backward) every other L_s's gradient through rank
+    r's embeddings, so sum_r g_r = d(sum_r L_r)/dtheta = world * dL/dtheta: the DDP average of the
+    g_r is dL/dtheta."""
     torch.manual_seed(args.seed)
-    encoder = torch.nn.Linear(
-        args.dim_in, args.dim_out, device="cpu"
-    ).double()  # the ranks' initial weights
+    encoder = torch.nn.Linear(args.dim_in, args.dim_out, device="cpu").double()  # the ranks' own
     a, b = (t.double() for t in global_batch(args, world))
     za, zb = F.normalize(encoder(a), dim=1), F.normalize(encoder(b), dim=1)
     loss = F.cross_entropy(
@@ -139,11 +113,16 @@ def single_process_gradient(args, world):
 
 
 def check_gradients(args, ctx, grads, loss):
+    rank, B = ctx.rank, args.batch
+    print_in_order(
+        f"rows {rank * B}..{(rank + 1) * B - 1} of {ctx.world_size * B}, local loss {loss:.4f}"
+    )
     ref_loss, ref = single_process_gradient(args, ctx.world_size)
-    # Bound, relative to the largest entry: float32 ranks (eps = 2**-23) against a float64 reference. A float32
-    # sum of n terms errs by at most about n*eps of the sum of their sizes (Higham, Accuracy and Stability of
-    # Numerical Algorithms, 2nd ed., 4.2); the longest sums have n = world*B (softmax over the global batch) or
-    # dim_in (encoder), and a few are chained (encoder, normalise, similarity, softmax, then back): 8 * n * eps.
+    # Bound, relative to the largest entry: float32 ranks (eps = 2**-23) against a float64
+    # reference. A float32 sum of n terms errs by at most about n*eps of the sum of their sizes
+    # (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., 4.2); the longest sums have
+    # n = world*B (softmax over the global batch) or dim_in (encoder), and a few are chained
+    # (encoder, normalise, similarity, softmax, then back): 8 * n * eps.
     bound = 8 * (ctx.world_size * args.batch + args.dim_in) * 2.0**-23
     dist.all_reduce(loss)
     if abs(loss.item() / ctx.world_size - ref_loss.item()) > bound * ref_loss.item():
@@ -152,14 +131,9 @@ def check_gradients(args, ctx, grads, loss):
         )
     for name, g in grads.items():
         err = ((g.cpu().double() - ref).abs().max() / ref.abs().max()).item()
-        if (
-            name == "plain dist.all_gather"
-        ):  # a demonstration: wrong as soon as another rank uses our rows
-            why = (
-                "nothing crosses ranks at 1 rank"
-                if ctx.world_size == 1
-                else "the other ranks' terms are missing"
-            )
+        if name == "plain dist.all_gather":  # a demonstration: wrong once another rank uses us
+            why = "the other ranks' terms are missing"
+            why = "nothing crosses ranks at 1 rank" if ctx.world_size == 1 else why
             print0(f"with {name}: max gradient error {err:.2e} (expected: {why})")
             if (err > bound) != (ctx.world_size > 1):
                 raise RuntimeError(
@@ -173,31 +147,31 @@ def check_gradients(args, ctx, grads, loss):
                 f"against the single-process gradient"
             )
     print0(
-        f"OK: a global-batch contrastive loss over {ctx.world_size} rank(s) gets the single-process gradient "
-        f"through a differentiable all_gather ({len(grads) - 1} ways); plain dist.all_gather "
-        f"{'does too at 1 rank' if ctx.world_size == 1 else 'does not'}"
+        f"OK: a global-batch contrastive loss over {ctx.world_size} rank(s) gets the "
+        f"single-process gradient through a differentiable all_gather ({len(grads) - 1} ways); "
+        f"plain dist.all_gather {'does too at 1 rank' if ctx.world_size == 1 else 'does not'}"
     )
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument(
-        "--batch", type=int, default=8, help="pairs per rank (global batch: world size x this)"
+        "--batch", type=int_in(1, 1 << 16), default=8, help="pairs per rank (global: world x this)"
     )
-    parser.add_argument("--dim-in", type=int, default=16, help="input features")
-    parser.add_argument("--dim-out", type=int, default=8, help="embedding size")
+    parser.add_argument("--dim-in", type=int_in(1, 1 << 16), default=16, help="input features")
+    parser.add_argument("--dim-out", type=int_in(1, 1 << 16), default=8, help="embedding size")
     parser.add_argument(
-        "--temperature", type=float, default=0.1, help="divides the cosine similarities"
+        "--temperature",
+        type=float_in(0.01, 100),
+        default=0.1,
+        help="divides the cosine similarities",
     )
-    parser.add_argument("--seed", type=int, default=0, help="weights and data")
+    parser.add_argument(
+        "--seed", type=int_in(0, 2**31 - 1), default=0, help="seed of the weights and data"
+    )
     parser.add_argument(
         "--nn-functional",
         action="store_true",
         help="also use torch.distributed.nn.functional.all_gather (FutureWarning in torch 2.13)",
-    )
-    test_flags(parser).add_argument(
-        "--unreduced-backward",
-        action="store_true",
-        help="the hand-written backward returns its slice without the all_reduce",
     )
     run(main, parser.parse_args())

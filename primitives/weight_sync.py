@@ -1,23 +1,15 @@
-"""Weight sync for RL trainers: push a trainer's new weights to inference workers.
+"""Weight sync for RL trainers: push a trainer's new weights to inference workers, every step.
 
-In RLHF (PPO, GRPO) the trainer updates the policy and the inference engines that generate
-the next rollouts must get the new weights, every step. Ranks 0..T-1 are the trainer (in a
-real job they are FSDP or DDP ranks; here each holds the whole model), ranks T..N-1 are the
-inference workers, and a group made for the sync holds trainer rank 0 and the workers only:
-the other trainer ranks are outside it and never wait on a weight update. Two ways to send:
-one broadcast per parameter (one call, one latency per tensor), then a few flat buckets (one
-call per bucket). The workers' parameters are views into their buckets,
-so a bucket lands straight in the parameters: no unpacking copy on the receiving side.
-After each step, every rank checks its weights bit for bit against a replica it computed
-itself from the same seeded steps (only for the check: a real worker cannot do that).
+Ranks 0..T-1 train (in a real job FSDP or DDP ranks; here each holds the whole model), ranks
+T..N-1 are the inference workers, and a group made for the sync holds trainer rank 0 and the
+workers only: the other trainer ranks never wait on a weight update. Two ways to send: one
+broadcast per parameter (one latency per tensor), then a few flat buckets (one call each) whose
+slices the workers' parameters are, so a bucket lands straight in the parameters. Checked bit for
+bit against a replica each rank computes (for the check only). Two jobs: weight_sync_two_jobs.py.
 
     torchrun --nproc_per_node=4 primitives/weight_sync.py --trainers 2     # rank 0 -> ranks 2, 3
     torchrun --nproc_per_node=8 primitives/weight_sync.py --layers 24 --width 4096 --bucket-mb 256
-                      # 8 GPUs: one trainer GPU -> the other seven, 1.5 GiB of float32 per sync
-    python primitives/weight_sync.py --nproc 4 --layers 24 --width 1024 --bucket-mb 64 --steps 5
-
-Two separately launched jobs (a trainer and an inference engine): weight_sync_two_jobs.py.
-
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.broadcast
 """
 
@@ -27,35 +19,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors
 from torch.distributed.tensor import DTensor, distribute_tensor
-from launch.dist_setup import lesson_parser, print0, print_rank, run
-
-
-def make_model(args, seed, device):
-    torch.manual_seed(seed)
-    with torch.device(
-        "cpu"
-    ):  # initialised by the CPU generator: the same weights whatever the device
-        layers = []
-        for _ in range(args.layers):  # many tensors of mixed sizes, like a transformer's
-            layers += [torch.nn.LayerNorm(args.width), torch.nn.Linear(args.width, args.width)]
-        model = torch.nn.Sequential(*layers)
-    return model.to(device=device, dtype=getattr(torch, args.dtype))
-
-
-@torch.no_grad()
-def train_step(model, step):
-    """A stand-in for an optimizer step: deterministic, so the check can recompute it. A sharded parameter
-    (a DTensor under FSDP, in weight_sync_two_jobs.py) gets its own slice of the same noise."""
-    gen = torch.Generator().manual_seed(step)
-    for p in model.parameters():
-        noise = torch.randn(p.shape, generator=gen).to(
-            device=p.device, dtype=p.dtype
-        )  # the full shape
-        if isinstance(
-            p, DTensor
-        ):  # this rank's slice; src_data_rank=None: every rank has it, send nothing
-            noise = distribute_tensor(noise, p.device_mesh, p.placements, src_data_rank=None)
-        p.add_(noise, alpha=1e-3)
+from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_rank, run
 
 
 def buckets_of(params, bucket_bytes):
@@ -72,49 +36,33 @@ def buckets_of(params, bucket_bytes):
 
 
 def bucket_views(buckets):
-    """Re-point each parameter at a slice of one flat tensor per bucket, once; return the flat tensors.
-    A bucket received into its flat tensor then lands straight in the parameters."""
+    """Make each parameter a slice of one flat tensor per bucket, once; return the flat tensors."""
     flats = []
     for bucket in buckets:
         flat = _flatten_dense_tensors([p.data for p in bucket])  # one contiguous copy, at set-up
         offset = 0
         for p in bucket:
-            p.data = flat[offset : offset + p.numel()].view_as(
-                p
-            )  # the parameter is now a view of flat
+            p.data = flat[offset : offset + p.numel()].view_as(p)  # now a view of flat
             offset += p.numel()
         flats.append(flat)
     return flats
 
 
 def main(args, ctx):
+    ctx.require(ctx.world_size >= 2, "needs at least 2 ranks (a trainer and a worker)")
     ctx.require(
-        ctx.world_size >= 2,
-        "needs at least 2 ranks (a trainer and a worker): run with --nproc_per_node=2 or more",
-    )
-    ctx.require(
-        1 <= args.trainers < ctx.world_size,
+        args.trainers < ctx.world_size,
         f"--trainers must be from 1 to {ctx.world_size - 1}: at least one rank must be a worker",
     )
-    ctx.require(
-        args.layers >= 1 and args.width >= 1 and args.steps >= 1,
-        "--layers, --width and --steps must be >= 1",
-    )
-    ctx.require(args.bucket_mb > 0, "--bucket-mb must be positive")
     rank, trainer, workers = ctx.rank, 0, list(range(args.trainers, ctx.world_size))
-    # Every rank calls new_group with the same list, even a rank that is not in it.
-    sync_group = dist.new_group([trainer, *workers])
+    sync_group = dist.new_group([trainer, *workers])  # every rank calls it, even one not in it
     if rank != trainer and rank not in workers:
         return print_outside(sync_group, args, ctx)  # a trainer rank that goes on training
-    model = make_model(
-        args, seed=0 if rank == trainer else 1 + rank, device=ctx.device
-    )  # workers start stale
-    model.requires_grad_(False)  # weights are written by communication, not by autograd
+    model = make_model(args, seed=0 if rank == trainer else 1 + rank, device=ctx.device)
+    model.requires_grad_(False)  # workers' weights are written by communication, not autograd
     params = list(model.parameters())
     buckets = buckets_of(params, int(args.bucket_mb * 2**20))
-    flats = (
-        bucket_views(buckets) if rank != trainer else []
-    )  # a worker's parameters become views of these
+    flats = bucket_views(buckets) if rank != trainer else []  # worker parameters: views of these
 
     def per_parameter():  # one call, one latency, per tensor
         for p in params:
@@ -122,18 +70,40 @@ def main(args, ctx):
 
     def bucketed():  # one call per bucket
         for i, bucket in enumerate(buckets):
-            if rank == trainer:
-                flat = _flatten_dense_tensors(
-                    bucket
-                )  # pack: the trainer's optimizer owns its tensors
-                dist.broadcast(flat, src=trainer, group=sync_group)
+            if rank == trainer:  # pack: the trainer's optimizer owns its tensors
+                dist.broadcast(_flatten_dense_tensors(bucket), src=trainer, group=sync_group)
             else:
                 dist.broadcast(flats[i], src=trainer, group=sync_group)  # lands in the parameters
 
-    times = train_sync_and_check(
-        model, {"per-parameter": per_parameter, "bucketed": bucketed}, args, ctx, sync_group
-    )
-    print_timings(times, params, buckets, args, ctx)
+    train_sync_check_and_time(model, buckets, per_parameter, bucketed, args, ctx, sync_group)
+
+
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
+def make_model(args, seed, device):
+    """Many tensors of mixed sizes, like a transformer's; initialised by the CPU generator, so the
+    weights are the same whatever the device."""
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        layers = []
+        for _ in range(args.layers):
+            layers += [torch.nn.LayerNorm(args.width), torch.nn.Linear(args.width, args.width)]
+        model = torch.nn.Sequential(*layers)
+    return model.to(device=device, dtype=getattr(torch, args.dtype))
+
+
+@torch.no_grad()
+def train_step(model, step):
+    """A stand-in for an optimizer step: deterministic, so the check can recompute it. A sharded
+    parameter (a DTensor under FSDP: weight_sync_two_jobs.py) gets its slice of the same noise."""
+    gen = torch.Generator().manual_seed(step)
+    for p in model.parameters():
+        noise = torch.randn(p.shape, generator=gen, device="cpu")  # the full shape, on the host
+        noise = noise.to(device=p.device, dtype=p.dtype)
+        if isinstance(p, DTensor):  # this rank's slice; src_data_rank=None: every rank has it
+            noise = distribute_tensor(noise, p.device_mesh, p.placements, src_data_rank=None)
+        p.add_(noise, alpha=1e-3)
 
 
 def print_outside(sync_group, args, ctx):
@@ -142,9 +112,10 @@ def print_outside(sync_group, args, ctx):
     print_rank("trainer rank outside the sync group: takes part in no weight update")
 
 
-def train_sync_and_check(model, syncs, args, ctx, group, trainer=0):
-    """Each step: the trainer trains, each sync runs (timed) into workers whose weights were just set to
-    NaN, and every rank compares its weights with its replica. {sync: [seconds]}; step 0 is not timed."""
+def train_sync_check_and_time(model, buckets, per_parameter, bucketed, args, ctx, group):
+    """Each step: the trainer trains, each sync runs (timed) into workers whose weights were just
+    set to NaN, and every rank compares its weights with its replica; step 0 is not timed."""
+    syncs, trainer = {"per-parameter": per_parameter, "bucketed": bucketed}, 0
     replica = make_model(args, seed=0, device=ctx.device)
     times = {name: [] for name in syncs}
     for step in range(args.steps + 1):
@@ -159,7 +130,7 @@ def train_sync_and_check(model, syncs, args, ctx, group, trainer=0):
             check_equals_replica(model, replica, name, step, ctx.rank)
             if step:
                 times[name].append(seconds)
-    return times
+    print_timings(times, list(model.parameters()), buckets, args, ctx)
 
 
 def slowest_rank_seconds(fn, ctx, group):
@@ -176,7 +147,7 @@ def slowest_rank_seconds(fn, ctx, group):
 
 
 def check_equals_replica(model, replica, method, step, rank):
-    for p, q in zip(model.parameters(), replica.parameters()):  # compare the bytes, not the values
+    for p, q in zip(model.parameters(), replica.parameters()):  # the bytes, not the values
         if not torch.equal(p.reshape(-1).view(torch.uint8), q.data.reshape(-1).view(torch.uint8)):
             raise RuntimeError(
                 f"rank {rank}: after {method} sync at step {step} a parameter of shape "
@@ -188,9 +159,10 @@ def print_timings(times, params, buckets, args, ctx):
     nbytes = sum(p.numel() * p.element_size() for p in params)
     per, buck = (sum(times[k]) / args.steps * 1e3 for k in ("per-parameter", "bucketed"))
     print0(
-        f"model: {len(params)} tensors, {nbytes / 2**20:.2f} MiB of {args.dtype}; {len(buckets)} bucket(s) "
-        f"of at most {args.bucket_mb:g} MiB; trainer rank 0 -> {ctx.world_size - args.trainers} worker(s) "
-        f"(ranks {args.trainers}..{ctx.world_size - 1}); {args.trainers - 1} trainer rank(s) outside the group"
+        f"model: {len(params)} tensors, {nbytes / 2**20:.2f} MiB of {args.dtype}; {len(buckets)} "
+        f"bucket(s) of at most {args.bucket_mb:g} MiB; trainer rank 0 -> "
+        f"{ctx.world_size - args.trainers} worker(s) (ranks {args.trainers}.."
+        f"{ctx.world_size - 1}); {args.trainers - 1} trainer rank(s) outside the group"
     )
     print0(f"per-parameter broadcast: {per:8.3f} ms per sync ({len(params)} calls)")
     print0(f"bucketed broadcast:      {buck:8.3f} ms per sync ({len(buckets)} calls)")
@@ -198,8 +170,8 @@ def print_timings(times, params, buckets, args, ctx):
         f"speed-up of bucketed over per-parameter: {per / buck:.2f}x (mean of {args.steps} steps)"
     )
     print0(
-        f"OK: after each of {args.steps + 1} steps every worker's weights equal the trainer's bit for bit, "
-        f"both per-parameter and bucketed; bucketed was {per / buck:.2f}x as fast here"
+        f"OK: after each of {args.steps + 1} steps every worker's weights equal the trainer's bit "
+        f"for bit, both per-parameter and bucketed; bucketed was {per / buck:.2f}x as fast here"
     )
 
 
@@ -207,17 +179,22 @@ if __name__ == "__main__":
     parser = lesson_parser(__doc__, min_ranks=2)
     parser.add_argument(
         "--trainers",
-        type=int,
+        type=int_in(1, 4095),
         default=1,
-        help="ranks 0..T-1 train; only rank 0 of them joins the sync group (default 1)",
+        help="ranks 0..T-1 train; only rank 0 of them joins the sync group",
     )
     parser.add_argument(
-        "--layers", type=int, default=8, help="LayerNorm+Linear pairs (4 tensors each)"
+        "--layers", type=int_in(1, 1024), default=8, help="LayerNorm+Linear pairs (4 tensors each)"
     )
-    parser.add_argument("--width", type=int, default=64, help="hidden size")
+    parser.add_argument("--width", type=int_in(1, 16384), default=64, help="hidden size")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--bucket-mb", type=float, default=1.0, help="largest bucket in MiB")
     parser.add_argument(
-        "--steps", type=int, default=3, help="timed training steps (plus one warm-up)"
+        "--bucket-mb",
+        type=float_in(0, 65536, low_open=True),
+        default=1.0,
+        help="largest bucket in MiB",
+    )
+    parser.add_argument(
+        "--steps", type=int_in(1, 10_000), default=3, help="timed training steps (plus a warm-up)"
     )
     run(main, parser.parse_args())

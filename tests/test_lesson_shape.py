@@ -50,6 +50,8 @@ LONGER = {
     "fsdp_basics/zero_by_hand.py": (121, "ZeRO-3 by hand: an autograd.Function and a module"),
     "fsdp_basics/zero_redundancy_optimizer.py": (99, "training, consolidation, save and load"),
     "fsdp_basics/zero_stages.py": (111, "ZeRO-1 and 2 by hand: the flat buffer and its slices"),
+    # primitives/ (ring_all_reduce ... grad_through_collectives): one block
+    "primitives/ring_all_reduce.py": (83, "two algorithms, ring and tree, side by side"),
 }
 
 

@@ -93,6 +93,111 @@ PRIMITIVES = [
         "primitives/device_mesh.py",
         [("ctx.device.type, (dp, tp)", "ctx.device.type, (tp, dp)")],
         "the mesh built is",
+    # ring_all_reduce, ring_all_reduce_pipelined, benchmark_collectives, weight_sync, the DTensor
+    # lessons, grad_through_collectives: one block, kept at the end of this list.
+    Mutation(
+        "ring_all_reduce-copy-instead-of-add",
+        "primitives/ring_all_reduce.py",
+        [("chunks[recv_i].add_(incoming)", "chunks[recv_i].copy_(incoming)")],
+        "ring all-reduce of 7 elements differs from a plain sum",
+        nproc=3,
+        args=("--sizes", "7", "--iters", "1"),
+        quick=True,
+    ),
+    Mutation(  # was --reduce-before-wait: with 4 pieces per segment at 3 ranks, 16 adds per rank
+        # on 16 K-element pieces race their receives; every add would have to lose the race for
+        # the sum to come out right
+        "ring_all_reduce_pipelined-add-before-wait",
+        "primitives/ring_all_reduce_pipelined.py",
+        [  # the add moved from after the wait to before it
+            (
+                "into, works = posted[k]\n",
+                "into, works = posted[k]\n        if add:\n            recv.add_(into)\n",
+            ),
+            ("            recv.add_(into)  # the overlap", "            pass  # the overlap"),
+        ],
+        "pipelined ring (4 chunks) all-reduce of 65537 elements differs from a plain sum",
+        nproc=3,
+        args=("--sizes", "65537", "--chunks", "4", "--iters", "1"),
+    ),
+    Mutation(  # was --corrupt-for-testing: the in-place all_gather idiom, the input never copied in
+        "benchmark_collectives-all-gather-in-place-without-its-input",
+        "primitives/benchmark_collectives.py",
+        [
+            (
+                "lambda: ALL_GATHER_SINGLE(out, inp)",
+                "lambda: ALL_GATHER_SINGLE(out, out[rank * part : (rank + 1) * part])",
+            )
+        ],
+        "wrong result of all_gather",
+        args=("--ops", "all_reduce,all_gather", "--max-bytes", "4K"),
+        file="benchmark_calls.py",
+    ),
+    Mutation(  # the worker receives each bucket into a new tensor, not the one its parameters view
+        "weight_sync-bucket-received-into-a-copy",
+        "primitives/weight_sync.py",
+        [
+            (
+                "dist.broadcast(flats[i], src=trainer, group=sync_group)",
+                "dist.broadcast(_flatten_dense_tensors(bucket), src=trainer, group=sync_group)",
+            )
+        ],
+        "after bucketed sync at step 0 a parameter of shape",
+        args=("--steps", "1"),
+    ),
+    Mutation(  # was --from-local-without-shape: 10 rows as 4, 4, 2; from_local assumes 3 x local
+        "dtensor_basics-from-local-without-shape",
+        "primitives/dtensor_basics.py",
+        [(", [Shard(0)], shape=full.shape, stride=full.stride())", ", [Shard(0)])")],
+        "from_local gave global shape",
+        nproc=3,
+    ),
+    Mutation(  # was --local-as-full: a Partial's to_local() is this rank's term, not the value
+        "dtensor_basics-to-local-read-as-the-value",
+        "primitives/dtensor_basics.py",
+        [("{name: d.full_tensor() for", "{name: d.to_local() for")],
+        "from_local(Partial): placement P(sum), full_tensor matches plain torch: False",
+        nproc=3,
+    ),
+    Mutation(  # was --seed-per-rank; on CPU only: on CUDA DTensor copies rank 0's RNG state
+        "dtensor_basics-a-seed-per-rank",
+        "primitives/dtensor_basics.py",
+        [("torch.manual_seed(args.seed)", "torch.manual_seed(args.seed + rank)")],
+        "rand_like on CPU: ranks [1] did not draw what a generator seeded with --seed 0 draws",
+    ),
+    Mutation(  # was --relabel: a new label on the same local data, nothing moved
+        "dtensor_redistribute-relabel-instead-of-redistribute",
+        "primitives/dtensor_redistribute.py",
+        [
+            (
+                "return src.redistribute(mesh, [dst])",
+                "return DTensor.from_local(src.to_local(), mesh, [dst], shape=src.shape, "
+                "stride=src.stride())",
+            )
+        ],
+        "is not my R piece of the plain tensor",
+        nproc=3,
+    ),
+    Mutation(  # was --without-loss-parallel: the same call outside the context gathers the logits
+        "dtensor_loss_parallel-without-the-context",
+        "primitives/dtensor_loss_parallel.py",
+        [("with loss_parallel():", "with torch.enable_grad():")],
+        "the logits were gathered ({'all_gather_into_tensor': 1})",
+    ),
+    Mutation(  # issue 32: the backward outside loss_parallel() runs, but gathers the gradient
+        "dtensor_loss_parallel-backward-outside-the-context",
+        "primitives/dtensor_loss_parallel.py",
+        [("        with CommDebugMode() as backward:", "    with CommDebugMode() as backward:")],
+        "the gradient of the logits is Replicate() with local shape (8, 16), not Shard(1)",
+    ),
+    Mutation(  # was --unreduced-backward: the hand-written gather is then the plain one
+        "grad_through_collectives-backward-without-its-all-reduce",
+        "primitives/grad_through_collectives.py",
+        [("dist.all_reduce(grad, op=dist.ReduceOp.SUM)", "pass  # no all_reduce")],
+        "autograd.Function by hand: max gradient error",
+        nproc=3,
+        args=("--batch", "4"),
+        quick=True,
     ),
 ]
 

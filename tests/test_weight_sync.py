@@ -1,21 +1,24 @@
-"""weight_sync.py (one job, a sync subgroup) and weight_sync_two_jobs.py (a trainer job and an inference job,
-launched separately, that meet through a TCPStore)."""
+"""weight_sync.py (one job, a sync subgroup) and weight_sync_two_jobs.py (a trainer job and an
+inference job, launched separately, that meet through a TCPStore). `python lesson.py` and the warm
+launcher only: nothing here depends on torchrun itself (each job's launcher gives it its own default
+group and MASTER_PORT either way)."""
 
 import re
 import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from harness import assert_fails, assert_ok, free_port, run_lesson
+from harness import assert_fails, assert_ok, free_port, mutant, run_lesson
 
 T = 240  # seconds: generous, the CI machine is shared
 TWO = "primitives/weight_sync_two_jobs.py"
 
 
-# weight_sync.py: trainer ranks 0..T-1, only rank 0 of them in the sync group, bit for bit after every step.
+# weight_sync.py: trainer ranks 0..T-1, only rank 0 of them in the sync group, bit for bit after
+# every step.
 @pytest.mark.parametrize(
     "nproc,trainers,launcher",
-    [(2, 1, "python"), (3, 1, "torchrun"), pytest.param(4, 2, "warm", marks=pytest.mark.quick)],
+    [(2, 1, "python"), (3, 1, "warm"), pytest.param(4, 2, "warm", marks=pytest.mark.quick)],
 )
 def test_weight_sync(nproc, trainers, launcher):
     result = run_lesson(
@@ -31,8 +34,8 @@ def test_weight_sync(nproc, trainers, launcher):
     line = assert_ok(result)
     assert "bit for bit" in line
     assert (
-        f"-> {nproc - trainers} worker(s) (ranks {trainers}..{nproc - 1}); {trainers - 1} trainer rank(s) "
-        "outside the group" in result.stdout
+        f"-> {nproc - trainers} worker(s) (ranks {trainers}..{nproc - 1}); {trainers - 1} trainer "
+        "rank(s) outside the group" in result.stdout
     )
     outside = re.findall(r"\[rank (\d+)\] trainer rank outside the sync group", result.stdout)
     assert sorted(map(int, outside)) == list(range(1, trainers)), result.stdout
@@ -50,7 +53,7 @@ def test_weight_sync(nproc, trainers, launcher):
 
 def test_weight_sync_needs_a_worker():
     assert_fails(
-        run_lesson("primitives/weight_sync.py", nproc=1, launcher="python", timeout=T),
+        run_lesson("primitives/weight_sync.py", nproc=1, launcher="warm", timeout=T),
         "needs at least 2 ranks (a trainer and a worker)",
         within=1,
     )
@@ -66,23 +69,25 @@ def test_weight_sync_needs_a_worker():
 def two_jobs(
     trainers,
     inference,
-    launchers=("torchrun", "torchrun"),
+    launchers=("python", "python"),
     trainer_args=(),
     inference_args=(),
     envs=(None, None),
     timeout=T,
+    trainer_lesson=TWO,
 ):
-    """Start the trainer job and the inference job at the same time, as two users would in two terminals;
-    return both results. Each job has its own launcher and MASTER_PORT; they share only --sync-port. At most
-    one of the two may be "warm": the warm launcher runs one job at a time (a second would wait for the first,
-    which waits for it)."""
+    """Start the trainer job and the inference job at the same time, as two users would in two
+    terminals; return both results. Each job has its own launcher and MASTER_PORT; they share only
+    --sync-port. At most one of the two may be "warm": the warm launcher runs one job at a time (a
+    second would wait for the first, which waits for it)."""
     assert list(launchers).count("warm") <= 1
     common = ("--sync-port", str(free_port()), "--timeout", "60")
+    lessons = {"trainer": trainer_lesson, "inference": TWO}
     with ThreadPoolExecutor(2) as pool:
         jobs = [
             pool.submit(
                 run_lesson,
-                TWO,
+                lessons[role],
                 "--role",
                 role,
                 *common,
@@ -100,14 +105,15 @@ def two_jobs(
         return [job.result() for job in jobs]
 
 
-# The issue's sizes: 1 trainer + 2 and + 3 inference ranks; then an FSDP trainer of 2 ranks (the sharded case).
-# Each role runs once under real torchrun and once as python --nproc; the other jobs are warm.
+# The issue's sizes: 1 trainer + 2 and + 3 inference ranks; then an FSDP trainer of 2 ranks (the
+# sharded case). Each role runs as python --nproc and under the warm launcher (at most one warm job
+# at a time).
 @pytest.mark.parametrize(
     "trainers,inference,launchers",
     [
-        pytest.param(1, 2, ("torchrun", "warm"), marks=pytest.mark.quick),
+        pytest.param(1, 2, ("python", "warm"), marks=pytest.mark.quick),
         (1, 3, ("python", "python")),
-        (2, 2, ("warm", "torchrun")),
+        (2, 2, ("warm", "python")),
     ],
 )
 def test_two_jobs_stream_weights_bit_for_bit(trainers, inference, launchers):
@@ -124,9 +130,23 @@ def test_two_jobs_stream_weights_bit_for_bit(trainers, inference, launchers):
     assert sorted(map(int, checked)) == list(range(inference)), engine.stdout
 
 
-def test_two_jobs_check_fails_when_a_value_is_wrong():
-    trainer, engine = two_jobs(1, 2, ("warm", "torchrun"), trainer_args=("--corrupt-for-testing",))
-    assert_fails(engine, "after the two-job sync at step 2 a parameter of shape")
+def test_two_jobs_check_fails_when_the_trainer_syncs_before_its_step(tmp_path):
+    """A mutation, as in tests/test_mutations.py, here because it takes two jobs: the trainer
+    streams its weights before its optimizer step instead of after (the inference engine serves the
+    previous step's weights). Each inference rank catches it at step 0, and the trainer learns it
+    through the store."""
+    wrong = mutant(
+        tmp_path,
+        TWO,
+        ("if trainer:\n            train_step(model, step)\n        check.before", "check.before"),
+        (
+            "        check.after_sync(model, step)\n",
+            "        check.after_sync(model, step)\n"
+            "        if trainer:\n            train_step(model, step)\n",
+        ),
+    )
+    trainer, engine = two_jobs(1, 2, ("warm", "python"), trainer_lesson=wrong)
+    assert_fails(engine, "after the two-job sync at step 0 a parameter of shape")
     assert_fails(trainer, "2 inference rank(s) report a mismatch")
 
 
@@ -192,10 +212,4 @@ def test_two_jobs_trainer_refuses_a_taken_port():
             timeout=T,
         )
     assert_fails(result, f"cannot listen on 127.0.0.1:{port}", within=1)
-    assert_fails(
-        run_lesson(
-            TWO, "--role", "trainer", "--sync-port", "0", nproc=1, launcher="warm", timeout=T
-        ),
-        "--sync-port must be from 1 to 65535, got 0",
-        within=1,
-    )
+    # --sync-port 0 or 70000: refused by argparse (tests/test_flags.py)

@@ -93,6 +93,7 @@ PRIMITIVES = [
         "primitives/device_mesh.py",
         [("ctx.device.type, (dp, tp)", "ctx.device.type, (tp, dp)")],
         "the mesh built is",
+    ),
     # ring_all_reduce, ring_all_reduce_pipelined, benchmark_collectives, weight_sync, the DTensor
     # lessons, grad_through_collectives: one block, kept at the end of this list.
     Mutation(

@@ -133,14 +133,6 @@ def lesson_parser(doc, default_nproc=None, min_ranks=1):
     return parser
 
 
-def test_flags(parser):
-    """The argument group for flags that exist so the tests can make one of the lesson's checks fail
-    (e.g. --no-average): apart from the lesson's own options, and marked as such in --help."""
-    return parser.add_argument_group(
-        "for the tests only (each flag breaks one step on purpose, to show that a check fails)"
-    )
-
-
 def _run_rank(main, args, init=True):
     """Run main on this process as one rank; return the exit code."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

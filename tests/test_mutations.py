@@ -200,6 +200,37 @@ PRIMITIVES = [
         args=("--batch", "4"),
         quick=True,
     ),
+    # flight_recorder and rpc_pipeline (issue 31)
+    Mutation(  # the analysis singles out the ranks that agree instead of the one outvoted
+        "flight_recorder-majority-inverted",
+        "primitives/flight_recorder.py",
+        [("votes.count(repr(call)) == 1", "votes.count(repr(call)) > 1")],
+        "order: the record shows",
+        nproc=3,
+        args=("--fault", "order"),
+        timeout=240,
+    ),
+    Mutation(  # the fault made on another rank than the one the lesson names
+        "flight_recorder-fault-on-another-rank",
+        "primitives/flight_recorder.py",
+        [
+            (
+                "mine = fault if ctx.rank == culprit else None",
+                "mine = fault if ctx.rank == 0 else None",
+            )
+        ],
+        "order: the record shows",
+        nproc=3,
+        args=("--fault", "order"),
+        timeout=240,
+    ),
+    Mutation(  # no distributed backward: the optimizer steps with no gradients
+        "rpc_pipeline-no-backward",
+        "primitives/rpc_pipeline.py",
+        [("                dist_autograd.backward(context_id, [loss])\n", "")],
+        "RPC training differs from one process",
+        timeout=240,
+    ),
 ]
 
 

@@ -71,14 +71,9 @@ def test_every_flag_refuses_what_makes_no_sense(lesson):
 
 def test_a_lesson_without_a_range_fails_here(tmp_path):
     """The test above catches the mistake it is for: a lesson flag with a bare type=int."""
-    from harness import ROOT
+    from harness import ROOT, mutant
 
-    source = (ROOT / "primitives/all_reduce.py").read_text()
-    start = source.index('"--size"')
-    type_at = source.index("type=", start)
-    end = source.index(",", type_at)
-    copy = tmp_path / "all_reduce.py"
-    copy.write_text(source[:type_at] + "type=int" + source[end:])
     assert flag_problems(ROOT / "primitives/all_reduce.py") == []
+    copy = mutant(tmp_path, "primitives/all_reduce.py", ("type=int_in(1, 1_000_000)", "type=int"))
     problems = flag_problems(copy)
     assert problems == ["--size: bare type=int; use launch.argtypes (int_in, ...)"], problems

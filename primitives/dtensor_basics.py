@@ -115,7 +115,10 @@ def check_ops(ctx, full, w, dtensors, values, op_comms):
             )
     if op_comms.get_total_counts() != 0:
         raise RuntimeError(f"the three ops communicated: {op_comms.get_comm_counts()}")
-    print0("the three ops ran on the local pieces: 0 collectives (the Partial ones wait for a sum)")
+    print0(
+        "the three ops ran on the local pieces: 0 collectives (the Partial ones wait for a "
+        "reduction)"
+    )
 
 
 def check_random(args, ctx, noise):

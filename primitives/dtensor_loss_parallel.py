@@ -133,9 +133,9 @@ def check_gradient_placement(args, ctx, logits):
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument("--batch", type=int_in(1, 1 << 20), default=8, help="rows of logits")
+    parser.add_argument("--batch", type=int_in(1, 4096), default=8, help="rows of logits")
     parser.add_argument(
-        "--classes", type=int_in(1, 1 << 20), default=16, help="classes (16: uneven at 3 ranks)"
+        "--classes", type=int_in(1, 1 << 17), default=16, help="classes (16: uneven at 3 ranks)"
     )
     parser.add_argument(
         "--seed", type=int_in(0, 2**31 - 1), default=0, help="seed of the logits and targets"

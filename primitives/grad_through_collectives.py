@@ -156,10 +156,10 @@ def check_gradients(args, ctx, grads, loss):
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument(
-        "--batch", type=int_in(1, 1 << 16), default=8, help="pairs per rank (global: world x this)"
+        "--batch", type=int_in(1, 4096), default=8, help="pairs per rank (global: world x this)"
     )
-    parser.add_argument("--dim-in", type=int_in(1, 1 << 16), default=16, help="input features")
-    parser.add_argument("--dim-out", type=int_in(1, 1 << 16), default=8, help="embedding size")
+    parser.add_argument("--dim-in", type=int_in(1, 16384), default=16, help="input features")
+    parser.add_argument("--dim-out", type=int_in(1, 16384), default=8, help="embedding size")
     parser.add_argument(
         "--temperature",
         type=float_in(0.01, 100),

@@ -232,9 +232,9 @@ if __name__ == "__main__":
         "--sync-port", type=int_in(1, 65535), default=29600, help="its port, the same for both jobs"
     )
     parser.add_argument(
-        "--layers", type=int_in(1, 1024), default=8, help="LayerNorm+Linear pairs (4 tensors each)"
+        "--layers", type=int_in(1, 128), default=8, help="LayerNorm+Linear pairs (4 tensors each)"
     )
-    parser.add_argument("--width", type=int_in(1, 16384), default=64, help="hidden size")
+    parser.add_argument("--width", type=int_in(1, 8192), default=64, help="hidden size")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument(
         "--bucket-mb",

@@ -83,7 +83,7 @@ def main():
     errors = counts.get("error", 0) + counts.get("errors", 0)
     print(
         f"torch {build[0]} ({'CPU' if build[1] == 'cpu' else 'CUDA ' + build[1]} build)"
-        f" | commit {commit} | pytest {' '.join(map(str, command[4:])) or '(whole suite)'}"
+        f" | commit {commit} | pytest {' '.join(map(str, command[5:])) or '(whole suite)'}"
         f" | {counts.get('passed', 0)} passed, {counts.get('failed', 0)} failed,"
         f" {counts.get('skipped', 0)} skipped"
         + (f", {errors} errors" if errors else "")

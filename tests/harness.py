@@ -89,14 +89,17 @@ def lesson_env(extra=None):
         "MASTER_PORT",
     ):
         env.pop(key, None)
-    # Deprecations are shown (once per place), the rest of the warnings not: assert_ok fails a run that
-    # printed one, so a rename in the next torch is caught the day it lands (see DEPRECATION below).
+    # Deprecations are shown (once per place), the rest of the warnings not: assert_ok fails a run
+    # that printed one, so a rename in the next torch is caught the day it lands (see DEPRECATION).
     env.update(
         PYTHONUNBUFFERED="1",
         PYTHONWARNINGS="ignore,default::DeprecationWarning,default::FutureWarning",
     )
     # The CPU suite stays on the CPU on a GPU node too (tests/test_gpu.py hands the GPUs back).
     env.update(CUDA_VISIBLE_DEVICES="")
+    # Scripts that start `torchrun` or `python3` by name (launch/*.sh) get this interpreter's: under
+    # venv/bin/python -m pytest with the venv not activated, PATH finds another torch's or none.
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", os.defpath)])
     env.update(extra or {})
     return env
 

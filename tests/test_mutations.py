@@ -700,6 +700,96 @@ TRANSFORMER_BASICS = [
         "differs from one process beyond --tol 2e-05",
         timeout=240,
     ),
+    # benchmark.py --no-grad-sync (ddp+), removed: a comm hook that sends nothing
+    Mutation(
+        "benchmark-ddp+-sends-no-gradients",
+        "transformer_basics/benchmark.py",
+        [
+            (
+                "**tuned)\n",
+                "**tuned)\n"
+                "        from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks\n"
+                "\n"
+                '        if mode == "ddp+":\n'
+                "            model.register_comm_hook(None, debugging_hooks.noop_hook)\n",
+            )
+        ],
+        "should train the same model, but their losses differ",
+        args=tuple("--modes ddp ddp+ --steps 3 --warmup 1 --n-layer 1 --n-embd 48".split()),
+    ),
+    # benchmark.py --no-grad-sync (fsdp+), removed: no reduce-scatter of the gradients
+    Mutation(
+        "benchmark-fsdp+-no-reduce-scatter",
+        "transformer_basics/benchmark.py",
+        [
+            (
+                "block.set_modules_to_backward_prefetch(blocks[i - 1 : i] if i else [])\n",
+                "block.set_modules_to_backward_prefetch(blocks[i - 1 : i] if i else [])\n"
+                "            model.set_requires_gradient_sync(False)\n",
+            )
+        ],
+        "should train the same model, but their losses differ",
+        args=tuple("--modes ddp fsdp+ --steps 3 --warmup 1 --n-layer 1 --n-embd 48".split()),
+    ),
+    # composition.py --no-preserve-rng-state, removed: the recomputation draws other dropout masks
+    Mutation(
+        "composition-recompute-without-rng-state",
+        "transformer_basics/composition.py",
+        [
+            (
+                "checkpoint(self.block, x, use_reentrant=False)",
+                "checkpoint(self.block, x, use_reentrant=False, preserve_rng_state=False)",
+            )
+        ],
+        "ddp, checkpointed, eager: losses differ from one process's plain model",
+        args=("--parallel", "ddp", "--no-compile", "--dropout", "0.1", "--batch-size", "2"),
+    ),
+    # train.py: DDP never all-reduces (every micro-batch under no_sync): the replicas drift apart.
+    # The second change only sends the copy's --out next to it, not into the checkout.
+    Mutation(
+        "train-ddp-never-syncs",
+        "transformer_basics/train.py",
+        [
+            ("gradient_sync(model, micro == args.accum - 1)", "gradient_sync(model, False)"),
+            ('"--out", default=out,', '"--out", default=__file__ + ".runs",'),
+        ],
+        "DDP replicas diverged: parameters differ between ranks",
+        file="training.py",
+        args=tuple(
+            "--steps 3 --warmup 1 --batch-size 2 --accum 2 --n-layer 1 --sample-tokens 0".split()
+        ),
+    ),
+    # train_2d.py: the data sharded by the tp index, so the ranks of one TP row read different
+    # windows: step 0's gradients differ from the unsharded model's on the global batch
+    Mutation(
+        "train_2d-data-sharded-by-tp-rank",
+        "transformer_basics/train_2d.py",
+        [
+            ('dp_rank = mesh["dp"].get_local_rank()', 'dp_rank = mesh["tp"].get_local_rank()'),
+            ('out="runs/gpt_2d"', 'out=__file__ + ".runs"'),  # not into the checkout
+        ],
+        "first step: gradient of",
+        nproc=4,
+        args=tuple("--steps 3 --warmup 1 --batch-size 2 --n-layer 1".split()),
+    ),
+    # tensor_parallel.py: the final norm left out of the sequence-parallel plan: each rank's
+    # ln_f gradient covers its own tokens only
+    Mutation(
+        "tensor_parallel-ln_f-not-sequence-parallel",
+        "transformer_basics/tensor_parallel.py",
+        [('"ln_f": SequenceParallel(),', "")],
+        "gradient of ln_f.weight differs from the unsharded model's",
+        args=("--sequence-parallel", "--steps", "1"),
+    ),
+    # pipeline_parallel.py: the tied embedding's two copies (first and last stage) not summed
+    Mutation(
+        "pipeline-tied-gradients-not-summed",
+        "transformer_basics/pipeline_parallel.py",
+        [("dist.all_reduce(tied.weight.grad, group=tie_group)", "pass")],
+        "differs from single-process training",
+        args=("--steps", "1"),
+        quick=True,
+    ),
 ]
 
 

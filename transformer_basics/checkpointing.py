@@ -13,6 +13,7 @@ Docs: https://pytorch.org/docs/stable/distributed.checkpoint.html
 
 import os
 import shutil
+import zipfile
 from dataclasses import asdict
 
 import torch
@@ -48,9 +49,8 @@ def save_checkpoint(path, model, optimizer, scheduler, step, ctx):
             shutil.rmtree(f"{path}.old", ignore_errors=True)
     elif ctx.rank == 0:  # replicated: rank 0's copy is everyone's
         raw = model.module if isinstance(model, DDP) else model
-        torch.save(
-            {"model": raw.state_dict(), "optimizer": optimizer.state_dict(), **extra}, f"{path}.tmp"
-        )
+        state = {"model": raw.state_dict(), "optimizer": optimizer.state_dict(), **extra}
+        torch.save(state, f"{path}.tmp")
         os.replace(f"{path}.tmp", path)
     if dist.is_initialized():
         dist.barrier()  # nobody reads or rewrites the checkpoint before it is complete
@@ -58,6 +58,7 @@ def save_checkpoint(path, model, optimizer, scheduler, step, ctx):
 
 def load_checkpoint(path, model, optimizer, scheduler, ctx):
     """Restore everything save_checkpoint wrote; return the step to go on from."""
+    check_fits(path, model, ctx)
     if isinstance(model, FSDPModule):
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {
@@ -67,9 +68,7 @@ def load_checkpoint(path, model, optimizer, scheduler, ctx):
             "step": 0,
             **saved_rng_slots(path),
         }
-        dcp.load(
-            state, checkpoint_id=path
-        )  # fills state in place: each rank reads the shards it owns
+        dcp.load(state, checkpoint_id=path)  # fills state in place: each rank reads its shards
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
         )
@@ -78,9 +77,8 @@ def load_checkpoint(path, model, optimizer, scheduler, ctx):
         (model.module if isinstance(model, DDP) else model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    set_rng_states(
-        state, ctx.device
-    )  # every rank draws the same numbers (same seed): rank 0's state is everyone's
+    # every rank draws the same numbers (same seed): rank 0's state is everyone's
+    set_rng_states(state, ctx.device)
     return state["step"]
 
 
@@ -92,6 +90,46 @@ def export_full_model(model, cfg, path, rank):
     if rank == 0:
         torch.save({"config": asdict(cfg), "model": full}, f"{path}.tmp")
         os.replace(f"{path}.tmp", path)  # a reader never sees half a file
+
+
+# ---- does the checkpoint fit the model? One line, not a traceback, when it does not ----
+
+
+def check_fits(path, model, ctx):
+    """Every rank reads the checkpoint's list of tensors (DCP's metadata, or the torch.save file
+    memory-mapped: nothing is loaded yet) and compares the model's names and shapes with this
+    model's. A file that is not a checkpoint, or one of another model (another --n-embd,
+    --n-layer, --block-size...), ends the run on every rank with one line naming the file and the
+    first difference. (--n-head changes no shape: a checkpoint cannot tell it.)"""
+    try:
+        if isinstance(model, FSDPModule):
+            meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+            saved = {
+                k.removeprefix("model."): tuple(m.size)
+                for k, m in meta.items()
+                if k.startswith("model.")
+            }
+        else:
+            if not zipfile.is_zipfile(path):
+                raise ValueError("not a zip archive, as torch.save writes")
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            if not isinstance(state, dict) or "model" not in state:
+                raise ValueError("it holds no model state")
+            saved = {k: tuple(t.shape) for k, t in state["model"].items()}
+    except Exception as error:  # whatever the file holds, the reader gets one line
+        reason = (str(error).splitlines() or [type(error).__name__])[0][:200]
+        ctx.require(False, f"--resume: {path} is not a checkpoint of this script ({reason})")
+    here = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
+    hint = "resume with the model flags of the run that wrote it"
+    for name in sorted(here.keys() - saved.keys()):
+        ctx.require(False, f"--resume: {path} has no {name}, which this model has: {hint}")
+    for name in sorted(saved.keys() - here.keys()):
+        ctx.require(False, f"--resume: {path} has {name}, which this model lacks: {hint}")
+    for name, shape in here.items():
+        ctx.require(
+            saved[name] == shape,
+            f"--resume: {path} holds {name} of shape {saved[name]}, this model {shape}: {hint}",
+        )
 
 
 # ---- RNG state: dropout must draw the same numbers after a resume ----
@@ -117,13 +155,13 @@ def set_rng_states(states, device):
     unused = sorted(k for k in states if k.startswith("rng_") and k != mine)
     if unused:
         print0(
-            f"resume: {', '.join(unused)} in the checkpoint not restored (this run is on {device.type}); "
-            f"dropout masks differ from the uninterrupted run's"
+            f"resume: {', '.join(unused)} in the checkpoint not restored (this run is on "
+            f"{device.type}); dropout masks differ from the uninterrupted run's"
         )
     elif device.type != "cpu" and mine not in states:
         print0(
-            f"resume: the checkpoint has no {mine} (written on the CPU?); the {device.type} generator "
-            f"keeps this run's seed, dropout masks differ from the uninterrupted run's"
+            f"resume: the checkpoint has no {mine} (written on the CPU?); the {device.type} "
+            "generator keeps this run's seed, dropout masks differ from the uninterrupted run's"
         )
 
 

@@ -1,5 +1,6 @@
-"""What transformer_basics/composition.py measures and checks against: the graphs compiled, the bytes saved
-for backward, each rank's batch, and the plain model trained on one process. Not a lesson: imported."""
+"""What transformer_basics/composition.py measures and checks against: the graphs compiled, the
+bytes saved for backward, each rank's batch, and the plain model trained on one process. Not a
+lesson: imported."""
 
 import copy
 
@@ -9,8 +10,9 @@ import torch.nn.functional as F
 
 
 def counting(backend, graphs):
-    """A torch.compile backend that notes each graph dynamo hands it, then compiles it with `backend`
-    (torch._dynamo.lookup_backend: in torch/_dynamo/__init__.py's __all__, under a private package)."""
+    """A torch.compile backend that notes each graph dynamo hands it, then compiles it with
+    `backend` (torch._dynamo.lookup_backend: in torch/_dynamo/__init__.py's __all__, under a
+    private package)."""
 
     def compile_graph(gm, example_inputs):
         graphs.append(len(gm.graph.nodes))
@@ -21,13 +23,16 @@ def counting(backend, graphs):
 
 def saved_tensors(model, storages):
     """Context manager: each tensor autograd saves for backward passes through pack
-    (https://pytorch.org/docs/stable/autograd.html#hooks-for-saved-tensors); storages[data_ptr] = its bytes,
-    so views count once; the weights are left out (they are kept anyway), also when saved as a view
-    (linear saves weight.t()), by storage; a DTensor weight (FSDP2's sharded form) by its local tensor."""
+    (https://pytorch.org/docs/stable/autograd.html#hooks-for-saved-tensors);
+    storages[data_ptr] = its bytes, so views count once; the weights are left out (they are kept
+    anyway), also when saved as a view (linear saves weight.t()), by storage; a DTensor weight
+    (FSDP2's sharded form) by its local tensor."""
 
-    @torch.compiler.disable  # a hook is a frame like any other: a compiled model would try to compile it
+    # a hook is a frame like any other: a compiled model would try to compile it
+    @torch.compiler.disable
     def pack(t):
-        # read at each save, not once: inside FSDP2's forward the module's parameters are the all-gathered ones
+        # read at each save, not once: inside FSDP2's forward the module's parameters are the
+        # all-gathered ones
         weights = {
             getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for p in model.parameters()
         }
@@ -39,24 +44,20 @@ def saved_tensors(model, storages):
 
 
 def batch(args, step, rank, device):
-    """Rank `rank`'s tokens at `step` (random bytes): a function of (seed, step, rank), so one process can replay them."""
-    tokens = torch.randint(
-        256,
-        (args.batch_size, args.block_size + 1),
-        device="cpu",
-        generator=torch.Generator().manual_seed(args.seed + 7919 * step + 104729 * rank),
-    )
+    """Rank `rank`'s tokens at `step` (random bytes): a function of (seed, step, rank), so that
+    one process can replay them."""
+    generator = torch.Generator().manual_seed(args.seed + 7919 * step + 104729 * rank)
+    shape = (args.batch_size, args.block_size + 1)
+    tokens = torch.randint(256, shape, device="cpu", generator=generator)
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
 def train_reference(model, args, ctx, dtype, dropout=True):
-    """One process, plain eager model, no checkpoint, no compile: every rank's batch in turn (with that rank's
-    dropout seed), the mean of their losses, one SGD step. The loss of each step."""
+    """One process, plain eager model, no checkpoint, no compile: every rank's batch in turn (with
+    that rank's dropout seed), the mean of their losses, one SGD step. The loss of each step."""
     model = copy.deepcopy(model).to(dtype)
     for m in model.modules() if not dropout else ():
-        if isinstance(m, nn.Dropout) or hasattr(
-            m, "dropout"
-        ):  # nn.Dropout's p, attention's dropout
+        if isinstance(m, nn.Dropout) or hasattr(m, "dropout"):  # nn.Dropout's p, attention's
             m.p, m.dropout = 0.0, 0.0
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     losses = torch.zeros(args.steps, dtype=torch.float64, device="cpu")

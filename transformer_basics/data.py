@@ -55,9 +55,8 @@ def generate_corpus(n_sentences=12000, seed=1234):
 
 
 def encode(text):
-    return torch.tensor(
-        list(text.encode("utf-8")), dtype=torch.long, device="cpu"
-    )  # batches move to the device
+    # on the CPU: each batch moves to the device (to_device below)
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long, device="cpu")
 
 
 def decode(tokens):
@@ -89,10 +88,23 @@ def check_tokens(tokens, block_size, path):
     need = 10 * (block_size + 1)
     if len(tokens) < need:
         return (
-            f"{name} has {len(tokens)} tokens, shorter than the {need} needed for a training and "
-            f"a validation window of --block-size {block_size} + 1: use a longer text or a smaller --block-size"
+            f"{name} has {len(tokens)} tokens, shorter than the {need} needed for a training "
+            f"and a validation window of --block-size {block_size} + 1: use a longer text or a "
+            "smaller --block-size"
         )
     return None
+
+
+def load_tokens(path, block_size, ctx):
+    """The text's bytes (path None: the generated corpus), split 90% / 10% into training and
+    validation; on every rank, one line and exit 2 for a text that cannot train this context."""
+    try:
+        tokens = encode(load_text(path))
+    except ValueError as error:
+        ctx.require(False, str(error))
+    problem = check_tokens(tokens, block_size, path)
+    ctx.require(problem is None, problem)
+    return split(tokens)
 
 
 def split(tokens, val_fraction=0.1):

@@ -23,6 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from launch.dist_setup import float_in, int_in
+
 
 @dataclass
 class GPTConfig:
@@ -85,9 +87,8 @@ class GPT(nn.Module):
     def __init__(self, cfg, activation_checkpointing=False):
         super().__init__()
         self.cfg = cfg
-        self.activation_checkpointing = (
-            activation_checkpointing  # not a weight: not in the checkpoints
-        )
+        # not a weight: not in the checkpoints
+        self.activation_checkpointing = activation_checkpointing
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
@@ -118,8 +119,9 @@ class GPT(nn.Module):
         for block in self.blocks.values():
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # Keep only the block's input; backward runs the block again for its activations.
-                # The RNG state is saved and restored, so dropout draws the same masks (use_reentrant=False:
-                # the form the docs recommend, which works with DDP and FSDP2; torch/utils/checkpoint.py, 2.13)
+                # The RNG state is saved and restored, so dropout draws the same masks
+                # (use_reentrant=False: the form the docs recommend, which works with DDP and FSDP2;
+                # torch/utils/checkpoint.py, 2.13)
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
@@ -139,29 +141,36 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """Sample max_new_tokens after idx (B, T), one token at a time."""
+        """Sample max_new_tokens after idx (B, T), one token at a time. temperature 0 is greedy
+        decoding: always the most likely token (the limit of sampling as temperature -> 0)."""
         for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.cfg.block_size :])[:, -1, :] / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, [-1]]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1)], dim=1)
+            logits = self(idx[:, -self.cfg.block_size :])[:, -1, :]
+            if temperature == 0:
+                next_token = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, [-1]]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                next_token = torch.multinomial(F.softmax(logits, dim=-1), 1)
+            idx = torch.cat([idx, next_token], dim=1)
         return idx
 
 
 def add_model_args(parser, **defaults):
-    """--n-layer, --n-head, --n-embd, --block-size, --dropout; the GPT-2 small sizes in --help."""
+    """--n-layer, --n-head, --n-embd, --block-size, --dropout; the GPT-2 small sizes in --help.
+    The upper bounds are sane, not what fits: GPT-3 175B has 96 layers, 96 heads, 12288 wide."""
     d = {**GPTConfig().__dict__, **defaults}
     g = parser.add_argument_group(
         "model (GPT-2 small: --n-layer 12 --n-head 12 --n-embd 768 --block-size 1024)"
     )
-    g.add_argument("--n-layer", type=int, default=d["n_layer"])
-    g.add_argument("--n-head", type=int, default=d["n_head"])
-    g.add_argument("--n-embd", type=int, default=d["n_embd"])
+    g.add_argument("--n-layer", type=int_in(1, 256), default=d["n_layer"])
+    g.add_argument("--n-head", type=int_in(1, 1024), default=d["n_head"])
+    g.add_argument("--n-embd", type=int_in(1, 65_536), default=d["n_embd"])
     g.add_argument(
-        "--block-size", type=int, default=d["block_size"], help="context length in tokens"
+        "--block-size", type=int_in(1, 1_048_576), default=d["block_size"], help="context length"
     )
-    g.add_argument("--dropout", type=float, default=d["dropout"])
+    g.add_argument("--dropout", type=float_in(0, 0.9), default=d["dropout"])
     return g
 
 

@@ -14,6 +14,8 @@ sends and receives, mixed ones grouped in dist.batch_isend_irecv so that NCCL ca
 deadlock (torch 2.13, torch/distributed/pipelining/schedules.py, _batch_p2p); Gloo sends
 CPU tensors only, so Gloo with CUDA tensors is refused up front.
 
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+
     torchrun --nproc_per_node=2 transformer_basics/pipeline_parallel.py
     python transformer_basics/pipeline_parallel.py --nproc 4 --schedule 1f1b --microbatches 8
 
@@ -30,7 +32,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.profiler import ProfilerActivity, profile
 
 import data
-from launch.dist_setup import lesson_parser, print0, print_in_order, run
+from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_order, run
 from model import GPT, add_model_args, config_from_args
 
 
@@ -68,14 +70,14 @@ def main(args, ctx):
         args.schedule != "1f1b" or m >= p,
         f"1F1B needs at least as many micro-batches as stages: --microbatches {m} < {p}",
     )
-    cfg = config_from_args(args)
+    ctx.require(args.n_embd % args.n_head == 0, "--n-embd must be a multiple of --n-head")
+    tokens = data.encode(data.generate_corpus(2000))
+    ctx.require(not (problem := data.check_tokens(tokens, args.block_size, None)), str(problem))
     torch.manual_seed(args.seed)
-    reference = GPT(cfg).to(ctx.device)  # the whole model, trained in one process, for the check
+    reference = GPT(config_from_args(args)).to(ctx.device)  # the whole model, for the check
     stage_model = cut_stage(copy.deepcopy(reference), rank, p)
     held = [name for name, module in stage_model.named_children() if module is not None]
-    print_in_order(
-        f"stage {rank}: {', '.join(held)} (blocks {', '.join(stage_model.blocks.keys())})"
-    )
+    print_in_order(f"stage {rank}: {', '.join(held)} (blocks {', '.join(stage_model.blocks)})")
 
     stage = PipelineStage(stage_model, rank, p, ctx.device)
     schedule_class = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
@@ -84,32 +86,18 @@ def main(args, ctx):
     schedule = schedule_class(stage, n_microbatches=m, loss_fn=loss_fn)
     # Weight tying across stages: the embedding (first stage) and the head (last stage) are one
     # matrix in the whole model; here they are two copies, kept equal by summing their gradients.
+    # (One stage holds both ends: the tie is real there, nothing to sum.)
     tie_group = dist.new_group(sorted({0, p - 1}))  # every rank calls new_group, members or not
-    # (one stage holds both ends: the tie is real there, nothing to sum)
-    tied = (
-        None
-        if p == 1
-        else stage_model.wte.weight
-        if rank == 0
-        else stage_model.lm_head.weight
-        if rank == p - 1
-        else None
-    )
+    tied = {0: stage_model.wte, p - 1: stage_model.lm_head}.get(rank) if p > 1 else None
 
     opt = torch.optim.SGD(stage_model.parameters(), lr=args.lr)  # SGD: see tensor_parallel.py
-    windows = data.ShardedWindows(
-        data.encode(data.generate_corpus(2000)), cfg.block_size, 0, 1, args.seed
-    )
     ref_opt = torch.optim.SGD(reference.parameters(), lr=args.lr)
-    worst_loss = worst_param = 0.0
-    for step in range(
-        args.steps
-    ):  # the last step runs under torch.profiler, to count its sends (printed below)
-        with (
-            profile(activities=[ProfilerActivity.CPU])
-            if step == args.steps - 1
-            else nullcontext() as prof
-        ):
+    windows = data.ShardedWindows(tokens, args.block_size, 0, 1, args.seed)
+    worst = []
+    for step in range(args.steps):
+        # the last step runs under torch.profiler, to count its sends (printed below)
+        last = step == args.steps - 1
+        with profile(activities=[ProfilerActivity.CPU]) if last else nullcontext() as prof:
             x, y = (t.to(ctx.device) for t in windows.batch(step, 0, args.batch_size))
             losses = []  # filled on the last stage, one per micro-batch
             if p == 1:
@@ -121,34 +109,38 @@ def main(args, ctx):
             else:
                 schedule.step()
             if tied is not None:
-                dist.all_reduce(tied.grad, group=tie_group)
+                dist.all_reduce(tied.weight.grad, group=tie_group)
             opt.step()
             opt.zero_grad()
-            loss_diff, param_diff = check_step_matches_single_process(
-                step, x, y, losses, stage_model, reference, ref_opt, args, ctx
-            )
-            worst_loss, worst_param = max(worst_loss, loss_diff), max(worst_param, param_diff)
+            worst.append(check_step(step, x, y, losses, stage_model, reference, ref_opt, args, ctx))
     print_traffic_and_memory(prof, stage_model, args)
-    if worst_loss > args.tol:
-        raise RuntimeError(
-            f"the pipeline's loss differs from single-process training by {worst_loss:.2e}"
-        )
-    worst = torch.tensor(worst_param, device=ctx.device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    print_bubble_and_ok(worst, args, ctx)
+
+
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
+def print_bubble_and_ok(worst, args, ctx):
+    p, m = ctx.world_size, args.microbatches
+    worst_loss, worst_param = map(max, zip(*worst))
+    worst_param = torch.tensor(worst_param, device=ctx.device)
+    dist.all_reduce(worst_param, op=dist.ReduceOp.MAX)
     bubble = (p - 1) / (m + p - 1)
     print0(
         f"bubble: (p-1)/(m+p-1) = {p - 1}/{m + p - 1} = {bubble:.0%} of each stage's time idle "
         f"({p} stages, {m} micro-batches)"
     )
     print0(
-        f"OK: {args.schedule} pipeline of {p} stages x {m} micro-batches: losses and parameters of {args.steps} "
-        f"steps equal single-process training (max diff {worst_loss:.1e} loss, {worst.item():.1e} parameters)"
+        f"OK: {args.schedule} pipeline of {p} stages x {m} micro-batches: losses and parameters "
+        f"of {args.steps} steps equal single-process training (max diff {worst_loss:.1e} loss, "
+        f"{worst_param.item():.1e} parameters)"
     )
 
 
 def print_traffic_and_memory(prof, stage_model, args):
-    """What each stage holds and sends: its parameters' bytes, and the c10d ops of the last step (the first step
-    also sends the shapes of the activations: 3 more sends and receives at 2 stages, measured)."""
+    """What each stage holds and sends: its parameters' bytes, and the c10d ops of the last step
+    (the first step also sends the shapes of the activations: 3 more sends and receives at 2
+    stages, measured)."""
     names = [event.name for event in prof.events()]
     per_step = {op: names.count(f"c10d::{op}") for op in ("send", "recv_", "allreduce_")}
     held = sum(t.numel() * t.element_size() for t in stage_model.parameters())
@@ -159,11 +151,10 @@ def print_traffic_and_memory(prof, stage_model, args):
     )
 
 
-def check_step_matches_single_process(
-    step, x, y, losses, stage_model, reference, ref_opt, args, ctx
-):
+def check_step(step, x, y, losses, stage_model, reference, ref_opt, args, ctx):
     """The same step of the whole model in this process: its loss must equal the pipeline's, and
-    this stage's parameters the whole model's. Returns (loss difference, largest parameter difference)."""
+    this stage's parameters the whole model's. Returns (loss difference, largest parameter
+    difference)."""
     ref_loss = loss_fn(reference(x), y)
     ref_loss.backward()
     ref_opt.step()
@@ -171,28 +162,35 @@ def check_step_matches_single_process(
     last = ctx.world_size - 1
     loss = torch.stack(losses).mean() if ctx.rank == last else torch.zeros((), device=ctx.device)
     dist.broadcast(loss, src=last)  # the loss is known on the last stage only
+    loss_diff = abs(loss.item() - ref_loss.item())
+    if loss_diff > args.tol:
+        raise RuntimeError(
+            f"step {step}: the pipeline's loss differs from single-process training by "
+            f"{loss_diff:.2e}"
+        )
     ref_params = dict(reference.named_parameters(remove_duplicate=False))  # lm_head.weight too
     worst = 0.0
     for name, param in stage_model.named_parameters():
         worst = max(worst, (param - ref_params[name]).abs().max().item())
         if worst > args.tol:
             raise RuntimeError(
-                f"step {step}: stage {ctx.rank}'s {name} differs from single-process training by {worst:.2e}"
+                f"step {step}: stage {ctx.rank}'s {name} differs from single-process training by "
+                f"{worst:.2e}"
             )
     print0(f"step {step}: loss {loss.item():.4f} (single process {ref_loss.item():.4f})")
-    return abs(loss.item() - ref_loss.item()), worst
+    return loss_diff, worst
 
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=0.2)
+    parser.add_argument("--microbatches", type=int_in(1, 1024), default=4)
+    parser.add_argument("--steps", type=int_in(1, 10_000), default=3)
+    parser.add_argument("--batch-size", type=int_in(1, 4096), default=8)
+    parser.add_argument("--lr", type=float_in(0, 10, low_open=True), default=0.2)
     parser.add_argument(
-        "--tol", type=float, default=2e-5, help="largest difference accepted (float32)"
+        "--tol", type=float_in(0, 1), default=2e-5, help="largest difference accepted (float32)"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
     add_model_args(parser, n_layer=8, n_embd=64, block_size=32)  # 8 blocks: up to 8 stages
     run(main, parser.parse_args())

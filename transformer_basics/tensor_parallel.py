@@ -13,6 +13,8 @@ but activations outside the matmuls are 1/tp as large. Embeddings and the (tied)
 whole on every rank here; train_2d.py adds FSDP on a second mesh dimension.
 The check: the sharded model's logits and gradients equal those of the unsharded model.
 
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+
     torchrun --nproc_per_node=2 transformer_basics/tensor_parallel.py
     python transformer_basics/tensor_parallel.py --nproc 4 --sequence-parallel
 
@@ -34,39 +36,25 @@ from torch.distributed.tensor.parallel import (
 )
 
 import data
-from launch.dist_setup import lesson_parser, print0, print_in_order, run
+from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_order, run
 from model import GPT, add_model_args, config_from_args
 
 
 def block_plan(sequence_parallel):
     """How each Linear (and, with sequence parallel, each LayerNorm) of a Block is cut."""
-    between = (
-        Shard(1) if sequence_parallel else Replicate()
-    )  # the residual stream: split by sequence, or whole
+    # the residual stream between the blocks: split by sequence, or whole
+    between = Shard(1) if sequence_parallel else Replicate()
     plan = {
         "attn.q": ColwiseParallel(),
         "attn.k": ColwiseParallel(),
         "attn.v": ColwiseParallel(),
-        "attn.proj": RowwiseParallel(
-            output_layouts=between
-        ),  # all_reduce, or reduce_scatter to Shard(1)
+        "attn.proj": RowwiseParallel(output_layouts=between),  # all_reduce, or reduce_scatter
         "mlp.fc": ColwiseParallel(),
         "mlp.proj": RowwiseParallel(output_layouts=between),
     }
-    if sequence_parallel:
-        plan.update(
-            {
-                "ln_1": SequenceParallel(),
-                "ln_2": SequenceParallel(),  # norms on 1/tp of the tokens
-                # attention and MLP need the whole sequence: all_gather it on the way in
-                "attn": PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                ),
-                "mlp": PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                ),
-            }
-        )
+    if sequence_parallel:  # norms on 1/tp of the tokens; attention and MLP gather the sequence
+        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan.update(ln_1=SequenceParallel(), ln_2=SequenceParallel(), attn=gather, mlp=gather)
     return plan
 
 
@@ -92,29 +80,59 @@ def apply_tensor_parallel(model, mesh, sequence_parallel):
     return model
 
 
-def full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t  # all_gather of the shards
-
-
 def main(args, ctx):
     tp = ctx.world_size
     ctx.require(
         args.n_head % tp == 0,
-        f"--n-head {args.n_head} must be a multiple of the {tp} ranks: "
-        f"each rank computes whole heads",
+        f"--n-head {args.n_head} must be a multiple of the {tp} ranks: each computes whole heads",
     )
+    ctx.require(args.n_embd % args.n_head == 0, "--n-embd must be a multiple of --n-head")
     ctx.require(
         not args.sequence_parallel or args.block_size % tp == 0,
         f"--sequence-parallel splits --block-size {args.block_size} into {tp} equal parts: "
         f"use a multiple of {tp}",
     )
-    cfg = config_from_args(args)
     torch.manual_seed(args.seed)
-    reference = GPT(cfg).to(ctx.device)  # the unsharded model, whole on every rank
+    reference = GPT(config_from_args(args)).to(ctx.device)  # the unsharded model, whole everywhere
     model = copy.deepcopy(reference)  # the same weights, about to be cut
     mesh = init_device_mesh(ctx.device.type, (tp,), mesh_dim_names=("tp",))
     apply_tensor_parallel(model, mesh, args.sequence_parallel)
+    print_shards(model, reference)
 
+    # Plain SGD for both: parameters then agree whenever the gradients do (Adam would turn the
+    # float noise of the key bias, whose exact gradient is 0, into full-size steps).
+    # foreach=False: the parameter list mixes DTensors and plain tensors.
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, foreach=False)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=args.lr)
+    tokens = data.encode(data.generate_corpus(2000))
+    ctx.require(not (problem := data.check_tokens(tokens, args.block_size, None)), str(problem))
+    windows = data.ShardedWindows(tokens, args.block_size, 0, 1, args.seed)
+    worst = []
+    for step in range(args.steps):
+        x, y = (t.to(ctx.device) for t in windows.batch(step, 0, args.batch_size))  # same on all
+        logits = model(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        worst.append(check_step_matches_unsharded(step, x, y, logits, model, reference, args))
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+        print0(f"step {step}: loss {loss.item():.4f}")
+    logits_diff, grad_diff = map(max, zip(*worst))
+    sp = ", sequence parallel" if args.sequence_parallel else ""
+    print0(
+        f"OK: tensor parallel on {tp} rank(s){sp}: logits and gradients of {args.steps} SGD steps "
+        f"equal the unsharded GPT's (max diff {logits_diff:.1e} logits, {grad_diff:.1e} gradients)"
+    )
+
+
+# ---- The lesson ends here. What follows is how it checks itself. ----
+
+
+def full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t  # all_gather of the shards
+
+
+def print_shards(model, reference):
     attn_q, mlp_fc = model.blocks["0"].attn.q.weight, model.blocks["0"].mlp.fc.weight
     mine = sum(
         p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters()
@@ -125,51 +143,26 @@ def main(args, ctx):
         f"{mine:,} of {reference.num_params(False):,} parameters on this rank"
     )
 
-    # Plain SGD for both: parameters then agree whenever the gradients do (Adam would turn the
-    # float noise of the key bias, whose exact gradient is 0, into full-size steps).
-    # foreach=False: the parameter list mixes DTensors and plain tensors.
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, foreach=False)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=args.lr)
-    windows = data.ShardedWindows(
-        data.encode(data.generate_corpus(2000)), cfg.block_size, 0, 1, args.seed
-    )
-    worst_logits = worst_grad = 0.0
-    for step in range(args.steps):
-        x, y = (
-            t.to(ctx.device) for t in windows.batch(step, 0, args.batch_size)
-        )  # the same batch on every rank
-        logits = model(x)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        loss.backward()
-        logits_diff, grad_diff = check_step_matches_unsharded(
-            step, x, y, logits, model, reference, args
-        )
-        worst_logits, worst_grad = max(worst_logits, logits_diff), max(worst_grad, grad_diff)
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
-        print0(f"step {step}: loss {loss.item():.4f}")
-    if worst_logits > args.tol:
-        raise RuntimeError(f"logits differ from the unsharded model's by {worst_logits:.2e}")
-    sp = ", sequence parallel" if args.sequence_parallel else ""
-    print0(
-        f"OK: tensor parallel on {tp} rank(s){sp}: logits and gradients of {args.steps} SGD steps equal "
-        f"the unsharded GPT's (max diff {worst_logits:.1e} logits, {worst_grad:.1e} gradients)"
-    )
-
 
 def check_step_matches_unsharded(step, x, y, logits, model, reference, args):
     """The unsharded model on the same batch: its logits and gradients must equal the sharded
     model's (gathered). Returns the largest difference of each."""
     ref_logits = reference(x)
     F.cross_entropy(ref_logits.flatten(0, 1), y.flatten()).backward()
+    logits_diff = (full(logits) - ref_logits).abs().max().item()
+    if logits_diff > args.tol:
+        raise RuntimeError(
+            f"step {step}: logits differ from the unsharded model's by {logits_diff:.2e}"
+        )
     worst_grad = 0.0
     for (name, p), ref_p in zip(model.named_parameters(), reference.parameters()):
         worst_grad = max(worst_grad, (full(p.grad) - ref_p.grad).abs().max().item())
         if worst_grad > args.tol:
             raise RuntimeError(
-                f"step {step}: gradient of {name} differs from the unsharded model's by {worst_grad:.2e}"
+                f"step {step}: gradient of {name} differs from the unsharded model's by "
+                f"{worst_grad:.2e}"
             )
-    return (full(logits) - ref_logits).abs().max().item(), worst_grad
+    return logits_diff, worst_grad
 
 
 if __name__ == "__main__":
@@ -179,14 +172,13 @@ if __name__ == "__main__":
         action="store_true",
         help="also split norms and activations by sequence",
     )
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=0.2)
+    parser.add_argument("--steps", type=int_in(1, 10_000), default=3)
+    parser.add_argument("--batch-size", type=int_in(1, 4096), default=4)
+    parser.add_argument("--lr", type=float_in(0, 10, low_open=True), default=0.2)
     parser.add_argument(
-        "--tol", type=float, default=2e-5, help="largest difference accepted (float32)"
+        "--tol", type=float_in(0, 1), default=2e-5, help="largest difference accepted (float32)"
     )
-    parser.add_argument("--seed", type=int, default=0)
-    add_model_args(
-        parser, n_layer=2, n_head=24, n_embd=192, block_size=24
-    )  # 24 heads, 24 tokens: 1, 2, 3, 4, 6, 8 ranks
+    parser.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
+    # 24 heads, 24 tokens: 1, 2, 3, 4, 6, 8 ranks
+    add_model_args(parser, n_layer=2, n_head=24, n_embd=192, block_size=24)
     run(main, parser.parse_args())

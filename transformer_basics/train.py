@@ -1,16 +1,18 @@
 """Train the GPT of model.py on one process, with DDP, or with FSDP2 (--parallel none|ddp|fsdp).
 
-    python transformer_basics/train.py                                   # DDP, 2 CPU ranks (or every GPU)
+    python transformer_basics/train.py                        # DDP, 2 CPU ranks (or every GPU)
     torchrun --nproc_per_node=2 transformer_basics/train.py --parallel fsdp
     python transformer_basics/train.py --nproc 1 --parallel none
-    python transformer_basics/train.py --resume --steps 300              # go on from the checkpoint in --out
-    torchrun --nproc_per_node=8 transformer_basics/train.py --gpt2-small --data input.txt --steps 5000
+    python transformer_basics/train.py --resume --steps 300   # go on from the checkpoint in --out
+    torchrun --nproc_per_node=8 transformer_basics/train.py --gpt2-small --data input.txt
 
 main() reads top to bottom as a training script: the data each rank reads, the model, the
 parallelism (the only lines train_2d.py changes), the optimizer, resume, the loop, the
 checkpoint. The loop (training.py: gradient accumulation, clipping, bf16 autocast, eval)
 and the checkpoints (checkpointing.py: torch.save for none/ddp, torch.distributed.checkpoint
 for fsdp, atomic, with the RNG state) are shared with train_2d.py.
+
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
 
 Docs: https://pytorch.org/docs/stable/notes/ddp.html
       https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
@@ -34,76 +36,57 @@ from model import GPT, config_from_args
 def main(args, ctx):
     ctx.require(
         args.parallel != "none" or ctx.world_size == 1,
-        f"--parallel none trains one process, not {ctx.world_size}: use --nproc 1 or --parallel ddp",
+        f"--parallel none trains one process, not {ctx.world_size}: use --nproc 1 or another one",
     )
-    ctx.require(args.steps > args.warmup >= 0, "--steps must be larger than --warmup")
+    training.check_args(args, ctx)
     out = Path(args.out)
     ckpt = out / ("checkpoint" if args.parallel == "fsdp" else "checkpoint.pt")
     ctx.require(not args.resume or ckpt.exists(), f"--resume: no checkpoint at {ckpt}")
-    ctx.require_writable_dir(out)
-    train_tokens, val_tokens = training.load_tokens(args, ctx)
+    ctx.require_writable_dir(out)  # makes it, and checks that this rank can write there
+    train_tokens, val_tokens = data.load_tokens(args.data, args.block_size, ctx)
     # Rank r reads the r-th disjoint share of every step's windows (like DistributedSampler).
     train_data = data.ShardedWindows(
         train_tokens, args.block_size, ctx.rank, ctx.world_size, args.seed
     )
     val_data = data.ShardedWindows(val_tokens, args.block_size, ctx.rank, ctx.world_size, args.seed)
 
-    torch.manual_seed(
-        args.seed
-    )  # the same initial model on every rank (DDP broadcasts rank 0's anyway)
+    torch.manual_seed(args.seed)  # the same initial model on every rank (DDP broadcasts rank 0's)
     cfg = config_from_args(args)
-    model = GPT(cfg, activation_checkpointing=args.activation_checkpointing).to(
-        ctx.device
-    )  # model.py
+    model = GPT(cfg, activation_checkpointing=args.activation_checkpointing).to(ctx.device)
     n_params, flops_per_token = model.num_params(), model.flops_per_token()
     if args.compile:
         model.compile()  # in place: parameter names (and so checkpoints) stay the same
     # ---- the parallelism: these lines are what train_2d.py changes ----
-    if (
-        args.parallel == "ddp"
-    ):  # .grad as views into the buckets: benchmark.py's ddp+, ddp_basics/ddp_overlap.py
-        model = DDP(
-            model,
-            device_ids=None if ctx.device.type == "cpu" else [ctx.device],
-            gradient_as_bucket_view=True,
-        )
-    elif (
-        args.parallel == "fsdp"
-    ):  # a mesh of ctx.device's type: FSDP2 would pick the GPU even on CPU + Gloo
+    if args.parallel == "ddp":
+        # .grad as views into the buckets: benchmark.py's ddp+, ddp_basics/ddp_overlap.py
+        device_ids = None if ctx.device.type == "cpu" else [ctx.device]
+        model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
+    elif args.parallel == "fsdp":
+        # a mesh of ctx.device's type: FSDP2 would pick the GPU even on CPU + Gloo
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         blocks = list(model.blocks.values())
-        for i, block in enumerate(
-            blocks
-        ):  # one all-gather per block, freed after use; the last block's
-            fully_shard(
-                block, mesh=mesh, reshard_after_forward=i < len(blocks) - 1
-            )  # backward is first: kept
-        fully_shard(model, mesh=mesh)  # the rest (embeddings, final norm, head) as the root's group
-        for i, block in enumerate(
-            blocks
-        ):  # gather the next block early: benchmark.py's fsdp+, fsdp_overlap.py
+        for i, block in enumerate(blocks):
+            # one all-gather per block, freed after use; the last block's backward comes first:
+            # it stays gathered
+            fully_shard(block, mesh=mesh, reshard_after_forward=i < len(blocks) - 1)
+        fully_shard(model, mesh=mesh)  # the rest (embeddings, final norm, head): the root's group
+        for i, block in enumerate(blocks):  # gather the next block early: fsdp_overlap.py
             block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 2])
             block.set_modules_to_backward_prefetch(blocks[i - 1 : i] if i else [])
     # --------------------------------------------------------------------
     optimizer, scheduler = training.make_optimizer(model, args)
     start = load_checkpoint(ckpt, model, optimizer, scheduler, ctx) if args.resume else 0
+    resumed = f", resumed at step {start}" if args.resume else ""
     print0(
-        f"model: {n_params / 1e6:.2f}M parameters, {cfg}; {args.parallel} on {ctx.world_size} rank(s)"
-        + (f", resumed at step {start}" if args.resume else "")
+        f"model: {n_params / 1e6:.2f}M parameters, {cfg}; {args.parallel} on {ctx.world_size} "
+        f"rank(s){resumed}"
     )
-    out.mkdir(parents=True, exist_ok=True)
-    result = training.fit(
-        model,
-        optimizer,
-        scheduler,
-        train_data,
-        val_data,
-        start,
-        args,
-        ctx,
-        save=lambda step: save_checkpoint(ckpt, model, optimizer, scheduler, step, ctx),
-    )
-    save_checkpoint(ckpt, model, optimizer, scheduler, result.stop, ctx)  # a collective: every rank
+
+    def save(step):  # a collective: every rank calls it
+        save_checkpoint(ckpt, model, optimizer, scheduler, step, ctx)
+
+    result = training.fit(model, optimizer, scheduler, train_data, val_data, start, args, ctx, save)
+    save(result.stop)
     export_full_model(model, cfg, out / "model.pt", ctx.rank)  # a collective: every rank
 
     if args.parallel == "ddp":
@@ -112,9 +95,13 @@ def main(args, ctx):
     training.print_sample(out / "model.pt", args, ctx)
     training.check_loss_fell(result)
     print0(
-        f"OK: {args.parallel} on {ctx.world_size} rank(s) trained steps {start}..{result.stop - 1}, "
-        f"val loss {result.val_first:.3f} -> {result.val_last:.3f}; checkpoint {ckpt}, model {out / 'model.pt'}"
+        f"OK: {args.parallel} on {ctx.world_size} rank(s) trained steps {start}..{result.stop - 1},"
+        f" val loss {result.val_first:.3f} -> {result.val_last:.3f}; checkpoint {ckpt}, model "
+        f"{out / 'model.pt'}"
     )
+
+
+# ---- The lesson ends here. What follows is how it checks itself. ----
 
 
 def check_replicas_agree(model):

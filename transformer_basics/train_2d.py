@@ -1,8 +1,9 @@
 """Train the GPT with FSDP and tensor parallelism together, on a 2-D device mesh (dp x tp).
 
-    torchrun --nproc_per_node=4 transformer_basics/train_2d.py                  # 2 x 2 on CPU
+    torchrun --nproc_per_node=4 transformer_basics/train_2d.py      # 2 x 2 on CPU
     python transformer_basics/train_2d.py --nproc 4 --tp 2 --sequence-parallel
-    torchrun --nnodes=2 --nproc_per_node=8 ... transformer_basics/train_2d.py --tp 4 --gpt2-small   # TP in a node, FSDP across
+    torchrun --nnodes=2 --nproc_per_node=8 ... transformer_basics/train_2d.py --tp 4 --gpt2-small
+                                                 # TP inside a node, FSDP across the nodes
 
 The ranks form a dp x tp grid. Along tp (ranks of one row, best within one node: TP talks
 in every layer) each block's matrices are split as in tensor_parallel.py; along dp (the
@@ -11,10 +12,13 @@ train.py with these changes (`diff train.py train_2d.py`): the mesh, the two par
 calls, data sharded by dp rank, gradient clipping over two meshes, and a check that the first
 step's gradients equal those of the unsharded model on the whole global batch.
 
+run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+
 Docs: https://pytorch.org/tutorials/intermediate/TP_tutorial.html
       https://pytorch.org/docs/stable/distributed.tensor.parallel.html
 """
 
+import argparse
 import copy
 from pathlib import Path
 
@@ -27,15 +31,13 @@ from torch.distributed.tensor import DTensor
 import data
 import training
 from checkpointing import export_full_model, load_checkpoint, save_checkpoint
-from launch.dist_setup import lesson_parser, print0, run
+from launch.dist_setup import float_in, int_in, lesson_parser, print0, run
 from model import GPT, config_from_args
 from tensor_parallel import apply_tensor_parallel
 
 
 def main(args, ctx):
-    args.tp = args.tp or (
-        2 if ctx.world_size % 2 == 0 else 1
-    )  # the default: 1 x 1, 2 x 1, 2 x 2, 4 x 2 ...
+    args.tp = args.tp or (2 if ctx.world_size % 2 == 0 else 1)  # 1 x 1, 2 x 1, 2 x 2, 4 x 2 ...
     ctx.require(
         ctx.world_size % args.tp == 0,
         f"{ctx.world_size} ranks do not form a grid with --tp {args.tp}: "
@@ -46,23 +48,20 @@ def main(args, ctx):
     )
     ctx.require(
         not args.sequence_parallel or args.block_size % args.tp == 0,
-        f"--sequence-parallel needs --block-size {args.block_size} to be a multiple of --tp {args.tp}",
+        f"--sequence-parallel: --block-size {args.block_size} must be a multiple of --tp {args.tp}",
     )
-    ctx.require(args.steps > args.warmup >= 0, "--steps must be larger than --warmup")
+    training.check_args(args, ctx)
     out = Path(args.out)
     ckpt = out / "checkpoint"
     ctx.require(not args.resume or ckpt.exists(), f"--resume: no checkpoint at {ckpt}")
-    ctx.require_writable_dir(out)
-    train_tokens, val_tokens = training.load_tokens(args, ctx)
+    ctx.require_writable_dir(out)  # makes it, and checks that this rank can write there
+    train_tokens, val_tokens = data.load_tokens(args.data, args.block_size, ctx)
     dp = ctx.world_size // args.tp
     mesh = init_device_mesh(ctx.device.type, (dp, args.tp), mesh_dim_names=("dp", "tp"))
     # The ranks of one tp row read the same windows: the data is sharded by dp rank.
-    train_data = data.ShardedWindows(
-        train_tokens, args.block_size, mesh["dp"].get_local_rank(), dp, args.seed
-    )
-    val_data = data.ShardedWindows(
-        val_tokens, args.block_size, mesh["dp"].get_local_rank(), dp, args.seed
-    )
+    dp_rank = mesh["dp"].get_local_rank()
+    train_data = data.ShardedWindows(train_tokens, args.block_size, dp_rank, dp, args.seed)
+    val_data = data.ShardedWindows(val_tokens, args.block_size, dp_rank, dp, args.seed)
 
     torch.manual_seed(args.seed)  # the same initial model on every rank: each keeps its part
     cfg = config_from_args(args)
@@ -79,27 +78,21 @@ def main(args, ctx):
     # --------------------------------------------------------------------
     optimizer, scheduler = training.make_optimizer(model, args)
     start = load_checkpoint(ckpt, model, optimizer, scheduler, ctx) if args.resume else 0
+    resumed = f", resumed at step {start}" if args.resume else ""
     print0(
-        f"model: {n_params / 1e6:.2f}M parameters, {cfg}; fsdp+tp on a {dp}x{args.tp} mesh"
-        + (f", resumed at step {start}" if args.resume else "")
+        f"model: {n_params / 1e6:.2f}M parameters, {cfg}; fsdp+tp on a {dp}x{args.tp} mesh{resumed}"
     )
     if reference is not None:
         check_first_step(model, reference, train_data, args, ctx)
         del reference
-    out.mkdir(parents=True, exist_ok=True)
+
+    def save(step):  # a collective: every rank calls it
+        save_checkpoint(ckpt, model, optimizer, scheduler, step, ctx)
+
     result = training.fit(
-        model,
-        optimizer,
-        scheduler,
-        train_data,
-        val_data,
-        start,
-        args,
-        ctx,
-        save=lambda step: save_checkpoint(ckpt, model, optimizer, scheduler, step, ctx),
-        clip=clip_grad_norm_2d,
+        model, optimizer, scheduler, train_data, val_data, start, args, ctx, save, clip_grad_norm_2d
     )
-    save_checkpoint(ckpt, model, optimizer, scheduler, result.stop, ctx)  # a collective: every rank
+    save(result.stop)
     export_full_model(model, cfg, out / "model.pt", ctx.rank)  # a collective: every rank
 
     training.print_summary(result, f"fsdp+tp {dp}x{args.tp}", flops_per_token, ctx)
@@ -107,7 +100,8 @@ def main(args, ctx):
     training.check_loss_fell(result)
     print0(
         f"OK: fsdp+tp on a {dp}x{args.tp} mesh trained steps {start}..{result.stop - 1}, "
-        f"val loss {result.val_first:.3f} -> {result.val_last:.3f}; checkpoint {ckpt}, model {out / 'model.pt'}"
+        f"val loss {result.val_first:.3f} -> {result.val_last:.3f}; checkpoint {ckpt}, model "
+        f"{out / 'model.pt'}"
     )
 
 
@@ -125,6 +119,9 @@ def clip_grad_norm_2d(model, max_norm):
     for ps in by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
     return total
+
+
+# ---- The lesson ends here. What follows is how it checks itself. ----
 
 
 def check_first_step(model, reference, train_data, args, ctx):
@@ -162,7 +159,8 @@ def check_first_step(model, reference, train_data, args, ctx):
     model.zero_grad(set_to_none=True)
     model.train()
     print0(
-        f"check: step 0's gradients (float32) equal the unsharded model's on the global batch (max diff {worst:.1e})"
+        "check: step 0's gradients (float32) equal the unsharded model's on the global batch "
+        f"(max diff {worst:.1e})"
     )
 
 
@@ -170,9 +168,9 @@ def parse_args(argv=None):
     parser = lesson_parser(__doc__)
     parser.add_argument(
         "--tp",
-        type=int,
-        default=0,
-        help="tensor-parallel size (a row of the mesh); dp = ranks / tp (default: 2 on an even world size, else 1)",
+        type=int_in(1, 4096),
+        help="tensor-parallel size (a row of the mesh); dp = ranks / tp "
+        "(default: 2 on an even world size, else 1)",
     )
     parser.add_argument(
         "--sequence-parallel",
@@ -180,11 +178,14 @@ def parse_args(argv=None):
         help="also split norms and activations by sequence",
     )
     parser.add_argument(
-        "--check", type=int, default=1, help="1: check step 0 against the unsharded model"
+        "--check",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="check step 0 against the unsharded model (a whole copy on every rank)",
     )
     parser.add_argument(
         "--tol",
-        type=float,
+        type=float_in(0, 1),
         default=2e-5,
         help="largest gradient difference the check accepts (float32, see check_first_step)",
     )

@@ -22,23 +22,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import data
-from launch.dist_setup import print0
 from generate import load_model, sample
+from launch.dist_setup import float_in, int_in, print0
 from model import add_model_args
 
-# Dense bf16 peak FLOP/s by device name, for MFU; the first name found in the device's name wins.
-PEAK_BF16 = [
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),
-    ("H200", 989e12),
-    ("H800", 989e12),
-    ("B200", 2250e12),
-    ("A100", 312e12),
-    ("A800", 312e12),
-    ("L40S", 362e12),
-    ("L4", 121e12),
-    ("A10", 125e12),
-]
+# Dense bf16 peak FLOP/s (NVIDIA's data sheets, without sparsity), for MFU; the first name found in
+# the device's name wins, so "H100 PCIe" comes before "H100" and "A100" before "A10".
+PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "H800": 989e12, "B200": 2250e12}
+PEAK_BF16 |= {"A100": 312e12, "A800": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12}
 
 
 @dataclass
@@ -67,15 +58,12 @@ def fit(model, optimizer, scheduler, train_data, val_data, start, args, ctx, sav
     )
     autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=bf16)
     tokens_per_step = args.batch_size * args.accum * args.block_size * train_data.world_size
-    synchronize = (
-        torch.accelerator.synchronize if ctx.device.type != "cpu" else lambda: None
-    )  # GPUs run ahead
+    # A GPU runs ahead of the host: time only what it has finished.
+    synchronize = torch.accelerator.synchronize if ctx.device.type != "cpu" else lambda: None
 
     def loss_of(windows, step, micro):
-        x, y = (
-            data.to_device(t, ctx.device)
-            for t in windows.batch(step, micro, args.batch_size, args.accum)
-        )
+        batch = windows.batch(step, micro, args.batch_size, args.accum)
+        x, y = (data.to_device(t, ctx.device) for t in batch)
         with autocast:
             logits = model(x)
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
@@ -83,17 +71,15 @@ def fit(model, optimizer, scheduler, train_data, val_data, start, args, ctx, sav
     @torch.no_grad()
     def evaluate():
         model.eval()
-        total = sum(
-            (loss_of(val_data, i, 0) for i in range(args.eval_batches)),
-            torch.zeros((), device=ctx.device),
-        )
+        total = torch.zeros((), device=ctx.device)
+        for i in range(args.eval_batches):
+            total += loss_of(val_data, i, 0)
         if dist.is_initialized():
             dist.all_reduce(total, op=dist.ReduceOp.AVG)  # each rank saw different windows
         model.train()
         return total.item() / args.eval_batches
 
-    val_first = evaluate()
-    train_losses = []
+    val_first, train_losses = evaluate(), []
     bar = tqdm(
         range(start, stop),
         disable=ctx.rank != 0,
@@ -110,9 +96,8 @@ def fit(model, optimizer, scheduler, train_data, val_data, start, args, ctx, sav
             t_timed = time.perf_counter()
         loss_sum = torch.zeros((), device=ctx.device)
         for micro in range(args.accum):
-            with gradient_sync(
-                model, micro == args.accum - 1
-            ):  # ranks average on the last micro-batch only
+            # ranks average their gradients on the last micro-batch only
+            with gradient_sync(model, micro == args.accum - 1):
                 loss = loss_of(train_data, step, micro) / args.accum
                 loss.backward()
             loss_sum += loss.detach()  # stays on the device: no host sync per step
@@ -136,9 +121,8 @@ def fit(model, optimizer, scheduler, train_data, val_data, start, args, ctx, sav
             if ctx.rank == 0:
                 bar.write(f"step {step + 1}: val loss {val:.3f}")
     synchronize()
-    step_time = (
-        (time.perf_counter() - t_timed) / (stop - start - 1) if stop - start > 1 else float("nan")
-    )
+    timed = stop - start - 1
+    step_time = (time.perf_counter() - t_timed) / timed if timed else float("nan")
     bar.close()
     return Result(
         start, stop, tokens_per_step, train_losses, val_first, evaluate(), step_time, bf16
@@ -158,9 +142,7 @@ def gradient_sync(model, sync):
 def make_optimizer(model, args):
     """AdamW with weight decay on matrices (Linear weights, embeddings) only, never on biases and
     norms; a linear warm-up to --lr, then a cosine down to --min-lr at the last step."""
-    params = [
-        p for p in model.parameters() if p.requires_grad
-    ]  # parameters() yields a tied weight once
+    params = [p for p in model.parameters() if p.requires_grad]  # a tied weight comes once
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
@@ -178,21 +160,10 @@ def make_optimizer(model, args):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
 
-def load_tokens(args, ctx):
-    """The text's bytes, split 90% / 10% into training and validation; a one-line error on a bad file."""
-    try:
-        tokens = data.encode(data.load_text(args.data))
-    except ValueError as error:
-        ctx.require(False, str(error))
-    problem = data.check_tokens(tokens, args.block_size, args.data)
-    ctx.require(problem is None, problem)
-    return data.split(tokens)
-
-
 def print_summary(result, label, flops_per_token, ctx):
     tok_s = result.tokens_per_step / result.step_time
     name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
-    peak = next((f for key, f in PEAK_BF16 if key in name), None)
+    peak = next((f for key, f in PEAK_BF16.items() if key in name), None)
     mfu = (
         f"{flops_per_token * tok_s / ctx.world_size / peak:.1%} of {name} bf16 peak"
         if peak
@@ -202,7 +173,8 @@ def print_summary(result, label, flops_per_token, ctx):
     print0(
         f"summary: {label}, {result.stop - result.start} steps, {tok_s:,.0f} tokens/s, "
         f"{result.step_time * 1e3:.1f} ms/step, MFU {mfu}, train loss {first:.3f} -> {final:.3f}, "
-        f"val loss {result.val_first:.3f} -> {result.val_last:.3f}, bf16 {'on' if result.bf16 else 'off'}"
+        f"val loss {result.val_first:.3f} -> {result.val_last:.3f}, "
+        f"bf16 {'on' if result.bf16 else 'off'}"
     )
 
 
@@ -214,68 +186,45 @@ def check_loss_fell(result):
 
 
 def print_sample(path, args, ctx):
-    if (
-        ctx.rank == 0 and args.sample_tokens
-    ):  # the exported model, in this process alone (as generate.py)
+    """The exported model, in this process alone (as generate.py does)."""
+    if ctx.rank == 0 and args.sample_tokens:
         text = sample(load_model(path, ctx.device), "the ", args.sample_tokens)
         print("sample:\n  " + text.replace("\n", "\n  "))
 
 
 def parse_args(parser, argv, out, **model_defaults):
-    """The flags train.py and train_2d.py share, added to parser; then parse argv."""
-    parser.add_argument("--data", help="a UTF-8 text file (default: the corpus data.py generates)")
-    parser.add_argument("--out", default=out, help=f"checkpoint directory (default: {out})")
-    parser.add_argument(
-        "--resume", action="store_true", help="continue from the checkpoint in --out"
-    )
-    parser.add_argument(
-        "--steps", type=int, default=250, help="optimizer steps in all (sets the LR schedule)"
-    )
-    parser.add_argument(
-        "--stop-after", type=int, default=0, help="stop after this many steps, as if interrupted"
-    )
-    parser.add_argument(
-        "--batch-size", type=int, default=16, help="windows per micro-batch per rank"
-    )
-    parser.add_argument(
-        "--accum", type=int, default=1, help="micro-batches per step (gradient accumulation)"
-    )
-    for flag, default in [
-        ("--lr", 3e-3),
-        ("--min-lr", 3e-4),
-        ("--weight-decay", 0.1),
-        ("--grad-clip", 1.0),
+    """The flags train.py and train_2d.py share, added to parser; then parse argv. Each number has
+    its range (launch/argtypes.py); --data is checked by data.load_tokens (one line per rank)."""
+    parser.add_argument("--data", help="a UTF-8 text file (default: the corpus data.py makes)")
+    parser.add_argument("--out", default=out, help="checkpoints and model.pt go here")
+    parser.add_argument("--resume", action="store_true", help="go on from the checkpoint in --out")
+    count, every = int_in(1, 1_000_000), int_in(0, 1_000_000)
+    for flag, kind, default, what in [
+        ("--steps", count, 250, "optimizer steps in all (sets the LR schedule)"),
+        ("--stop-after", every, 0, "stop after N steps, as if interrupted (0: at --steps)"),
+        ("--batch-size", int_in(1, 4096), 16, "windows per micro-batch per rank"),
+        ("--accum", int_in(1, 1024), 1, "micro-batches per step (gradient accumulation)"),
+        ("--lr", float_in(0, 10, low_open=True), 3e-3, "peak learning rate"),
+        ("--min-lr", float_in(0, 10), 3e-4, "learning rate at the last step (at most --lr)"),
+        ("--weight-decay", float_in(0, 10), 0.1, "AdamW's, on matrices only"),
+        ("--grad-clip", float_in(0, 1e6, low_open=True), 1.0, "largest gradient norm"),
+        ("--warmup", every, 10, "steps of linear warm-up (0: none)"),
+        ("--eval-every", every, 50, "held-out loss every N steps (0: at the end only)"),
+        ("--eval-batches", int_in(1, 10_000), 4, "batches per held-out loss"),
+        ("--log-every", count, 10, "train loss every N steps (a host sync)"),
+        ("--save-every", every, 0, "also checkpoint every N steps (0: at the end only)"),
+        ("--sample-tokens", int_in(0, 100_000), 200, "tokens to sample at the end (0: none)"),
+        ("--seed", int_in(0, 2**32 - 1), 0, "data order and initial model"),
     ]:
-        parser.add_argument(flag, type=float, default=default)
-    for flag, default in [
-        ("--warmup", 10),
-        ("--eval-every", 50),
-        ("--eval-batches", 4),
-        ("--log-every", 10),
-    ]:
-        parser.add_argument(flag, type=int, default=default)
+        parser.add_argument(flag, type=kind, default=default, help=what)
     parser.add_argument(
         "--dtype",
         choices=["auto", "float32", "bfloat16"],
         default="auto",
-        help="autocast dtype; auto: bf16 on a GPU that has it, float32 on CPU (bf16 is slower there)",
+        help="autocast dtype; auto: bf16 on a GPU that has it, else float32",
     )
-    parser.add_argument(
-        "--compile", action="store_true", help="torch.compile the model (off by default)"
-    )
-    parser.add_argument(
-        "--save-every",
-        type=int,
-        default=0,
-        help="also checkpoint every N steps (0: at the end only)",
-    )
-    parser.add_argument(
-        "--sample-tokens", type=int, default=200, help="tokens to sample at the end (0: none)"
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--bar-stdout", action="store_true", help="tqdm bar on stdout instead of stderr"
-    )
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--bar-stdout", action="store_true", help="tqdm bar on stdout, not stderr")
     parser.add_argument(
         "--gpt2-small",
         action="store_true",
@@ -287,3 +236,15 @@ def parse_args(parser, argv, out, **model_defaults):
         args.n_layer, args.n_head, args.n_embd, args.block_size = 12, 12, 768, 1024
         args.batch_size, args.accum, args.lr, args.min_lr, args.warmup = 8, 8, 6e-4, 6e-5, 100
     return args
+
+
+def check_args(args, ctx):
+    """What the flags' ranges cannot say alone: the constraints between flags."""
+    ctx.require(
+        args.steps > args.warmup, f"--steps {args.steps} must be larger than --warmup {args.warmup}"
+    )
+    ctx.require(args.min_lr <= args.lr, f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}")
+    ctx.require(
+        args.n_embd % args.n_head == 0,
+        f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}",
+    )

@@ -56,7 +56,7 @@ def build(mode, base, ctx):
     if mode.startswith("ddp"):
         # ddp+: the .grads are views into the buckets, no copy out of them (DDP's docstring); not
         # static_graph: it breaks no_sync, which train.py's accumulation needs
-        # (pytorch/pytorch#143580, still open in torch 2.13)
+        # (pytorch/pytorch#143580, still so in torch 2.13)
         tuned = dict(gradient_as_bucket_view=True) if mode == "ddp+" else {}
         model = DDP(model, device_ids=None if ctx.device.type == "cpu" else [ctx.device], **tuned)
     elif mode.startswith("fsdp"):

@@ -74,8 +74,13 @@ def check_trained(model, args):
 
 
 def check_model_file(path):
-    """One line and exit 1 (not a traceback) for a file that is not a model.pt of train.py: its
-    tensors are read memory-mapped, nothing is loaded yet."""
+    """One line and exit 1 (not a traceback) for a missing file or one that is not a model.pt of
+    train.py: its tensors are read memory-mapped, nothing is loaded yet."""
+    if not Path(path).is_file():
+        sys.exit(
+            f"error: no checkpoint at {path}: train first (python transformer_basics/train.py "
+            f"--out {Path(path).parent})"
+        )
     try:
         if not zipfile.is_zipfile(path):
             raise ValueError("not a zip archive, as torch.save writes")
@@ -110,11 +115,6 @@ if __name__ == "__main__":
     parser.add_argument("--data", help="the text the model trained on (default: data.py's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
-    if not Path(args.checkpoint).is_file():
-        sys.exit(
-            f"error: no checkpoint at {args.checkpoint}: train first (python "
-            f"transformer_basics/train.py --out {Path(args.checkpoint).parent})"
-        )
     if not args.prompt:
         parser.error("--prompt: give at least one character to go on from")
     check_model_file(args.checkpoint)

@@ -396,7 +396,10 @@ def test_elastic_refuses_the_shared_agent_store():
 def test_elastic_membership_change_a_node_joins(tmp_path):
     """Agent A runs alone (1 rank); agent B joins mid-run: both restart as one job of 2 ranks."""
     port, run_id = free_port(), uuid.uuid4().hex[:8]
-    args = ["--steps", "60", "--step-time", "0.2", "--ckpt-dir", tmp_path]
+    # A must still be running when B has imported torch and joined the rendezvous: 30 s of steps
+    # (12 s was too short twice at load average 25, when B's start alone took longer)
+    steps = 150
+    args = ["--steps", steps, "--step-time", "0.2", "--ckpt-dir", tmp_path]
 
     def start():
         return subprocess.Popen(
@@ -428,5 +431,5 @@ def test_elastic_membership_change_a_node_joins(tmp_path):
     assert len(ok) == 1, "\n".join(outputs)
     grew = re.search(r"2 attempt\(s\): 1 ranks from step 0 -> 2 ranks from step (\d+)$", ok[0])
     # grew mid-run and went on from the checkpoint
-    assert grew and 0 < int(grew.group(1)) < 60, ok[0]
-    assert f"final state {serial_state(60)} equals" in ok[0], ok[0]
+    assert grew and 0 < int(grew.group(1)) < steps, ok[0]
+    assert f"final state {serial_state(steps)} equals" in ok[0], ok[0]

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.quick  # about 10 s: one process parses every command
 
 READMES = sorted(
     p
-    for p in ROOT.rglob("README.md")
+    for p in [*ROOT.rglob("README.md"), ROOT / "CONTRIBUTING.md"]
     if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)
 )
 # `torchrun ... LESSON.py`: any lesson, not one

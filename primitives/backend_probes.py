@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (1.13-2.12) to *_single; the old
-# names still work there but emit a FutureWarning (deprecated: distributed_c10d.py).
+# names still work: 2.13.0 and 2.14.1 warn (FutureWarning, distributed_c10d.py), 2.15.0 does not.
 ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 # torch 2.13: ReduceOp.PREMUL_SUM(factor) makes the op (public since pytorch PR #172216); before,

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -8,6 +9,10 @@ sys.path.insert(0, str(Path(__file__).parent))  # so tests can `import harness`
 
 
 def pytest_sessionstart(session):
+    # Subprocesses that start `torchrun` or `python` by name (launch/*.sh, srun, the netns tests)
+    # find this interpreter's first: the suite then needs no activated venv.
+    bin_dir = os.path.dirname(sys.executable)
+    os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     # The lessons import launch.dist_setup from the editable install of this repository.
     try:
         import launch.dist_setup as module

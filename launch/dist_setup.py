@@ -163,9 +163,10 @@ def _run_rank(main, args, init=True):
     except UsageError as error:
         sys.stderr.write(f"[rank {rank}] error: {error}\n")  # one write: ranks' lines never mix
         sys.stderr.flush()
-        # torchrun and mp.spawn stop every rank when one exits: let the others print first
+        # torchrun and mp.spawn stop every rank when one exits: let the others print first (3 s:
+        # 1 s was too short once for a rank still starting, with the suite loading 2 cores)
         if world_size > 1:
-            time.sleep(1)
+            time.sleep(3)
         return 2
     finally:
         if dist.is_initialized():

@@ -50,9 +50,8 @@ class GatheredLinear(torch.autograd.Function):
         )
         full.untyped_storage().resize_(0)
         grad_shard = torch.empty_like(shard)
-        # torch 2.13 names; before, reduce_scatter_tensor / all_gather_into_tensor (same arguments)
-        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        reduce_scatter(grad_shard, full_grad, op=dist.ReduceOp.AVG)  # my slice of the average
+        # my slice of the average
+        dist.reduce_scatter_single(grad_shard, full_grad, op=dist.ReduceOp.AVG)
         return grad_x, grad_shard, None
 
 
@@ -71,8 +70,7 @@ class ShardedLinear(nn.Module):
 
     def gather(self, shard):
         full = shard.new_empty(shard.numel() * self.world_size)
-        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        all_gather(full, shard.detach())  # every rank's shard, in rank order
+        dist.all_gather_single(full, shard.detach())  # every rank's shard, in rank order
         n_weight = self.out_features * self.in_features
         weight = full[:n_weight].view(self.out_features, self.in_features)
         return weight, full[n_weight : n_weight + self.out_features], full

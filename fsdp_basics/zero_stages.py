@@ -36,8 +36,6 @@ def main(args, ctx):
     x, y = (t.to(ctx.device) for t in make_data(args.batch * args.steps))
     torch.manual_seed(0)  # the same initial model on every rank (drawn on the CPU, then moved)
     start = BlockMLP(args.width, args.depth).to(ctx.device)
-    # torch 2.13 name; before, all_gather_into_tensor (same arguments)
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
     trained, held = {}, {}
     for stage in (1, 2):  # the same start and batches; only where the gradient lives differs
@@ -60,7 +58,8 @@ def main(args, ctx):
                 model.zero_grad(set_to_none=True)  # drop the views: `grads` is freed, 1/N remains
             del grads
             opt.step()  # my slice of the parameters
-            all_gather(flat, shard.detach().clone())  # every rank's new slice (a separate input)
+            # every rank's new slice (from a separate input)
+            dist.all_gather_single(flat, shard.detach().clone())
             losses.append(loss.detach())
         trained[stage], held[stage] = (model, losses), step_bytes_zero(model, opt, shard)
 
@@ -85,13 +84,12 @@ def flat_buffer(params, ctx):
 
 def averaged_slice(stage, grads, mine):
     """My slice of the gradient averaged over the ranks. ZeRO-1: all of it reaches every rank;
-    ZeRO-2: only my slice of it reaches me (torch 2.13 name; before, reduce_scatter_tensor)."""
+    ZeRO-2: only my slice of it reaches me."""
     if stage == 1:
         dist.all_reduce(grads, op=dist.ReduceOp.AVG)
         return grads[mine]
     mine_only = grads.new_empty(mine.stop - mine.start)
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    reduce_scatter(mine_only, grads, op=dist.ReduceOp.AVG)
+    dist.reduce_scatter_single(mine_only, grads, op=dist.ReduceOp.AVG)
     return mine_only
 
 

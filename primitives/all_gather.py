@@ -24,7 +24,6 @@ from launch.dist_setup import int_in, lesson_parser, print0, print_in_order, run
 
 def main(args, ctx):
     world, n = ctx.world_size, args.size
-    all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
     t = 100 * ctx.rank + torch.arange(n, device=ctx.device)
     print_in_order(f"before: {t.tolist()}")
@@ -37,7 +36,7 @@ def main(args, ctx):
 
     # Single-tensor form: rank r's data lands in out[r*n:(r+1)*n].
     out = torch.empty(world * n, dtype=t.dtype, device=ctx.device)
-    all_gather_single(out, t)
+    dist.all_gather_single(out, t)
     print_in_order(f"all_gather_single: {out.tolist()}")
     check_rank_order("all_gather_single", out.view(world, n), world, n)
 

@@ -13,8 +13,6 @@ import torch.distributed as dist
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (1.13-2.12) to *_single; the old
 # names still work: 2.13.0 and 2.14.1 warn (FutureWarning, distributed_c10d.py), 2.15.0 does not.
-ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 # torch 2.13: ReduceOp.PREMUL_SUM(factor) makes the op (public since pytorch PR #172216); before,
 # only the private dist._make_nccl_premul_sum(factor) did.
 PREMUL_SUM = (
@@ -68,7 +66,7 @@ def calls(rank, n, dev):
 
     def all_gather_single(g, shape):  # output: n*k elements, or n rows of k
         out = torch.empty(shape, device=dev)
-        ALL_GATHER_SINGLE(out, mine(), group=g)
+        dist.all_gather_single(out, mine(), group=g)
         expect_from_each_rank(out.view(n, 2), lambda r: r + 1.0)
 
     def gather(g):
@@ -89,7 +87,7 @@ def calls(rank, n, dev):
 
     def reduce_scatter_single(g):
         out = torch.empty(2, device=dev)
-        REDUCE_SCATTER_SINGLE(out, torch.cat([mine() * (j + 1) for j in range(n)]), group=g)
+        dist.reduce_scatter_single(out, torch.cat([mine() * (j + 1) for j in range(n)]), group=g)
         expect(out, total * (rank + 1))
 
     def to_each(j):  # what this rank sends to rank j in all_to_all

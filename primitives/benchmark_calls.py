@@ -9,10 +9,6 @@ import torch
 import torch.distributed as dist
 
 CHUNK = 1 << 22  # elements per step of fill and check: their temporaries stay near 0.3 GB
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names still
-# work there, with a FutureWarning); older releases have only the old names.
-ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def value(r, i):
@@ -70,9 +66,12 @@ def make_call(op, count, dtype, device, rank, n):
         expected,
     ) = {  # size = all_gather's output, reduce_scatter's input: rank r's part is at r * part
         "all_reduce": (lambda: dist.all_reduce(out), total),
-        "all_gather": (lambda: ALL_GATHER_SINGLE(out, inp), lambda i: value(i // part, i % part)),
+        "all_gather": (
+            lambda: dist.all_gather_single(out, inp),
+            lambda i: value(i // part, i % part),
+        ),
         "reduce_scatter": (
-            lambda: REDUCE_SCATTER_SINGLE(out, inp),
+            lambda: dist.reduce_scatter_single(out, inp),
             lambda i: total(rank * part + i),
         ),
         "broadcast": (lambda: dist.broadcast(out, src=0), lambda i: value(0, i)),

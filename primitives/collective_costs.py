@@ -34,7 +34,6 @@ from launch.dist_setup import int_in, lesson_parser, print0, print_in_order, run
 
 def main(args, ctx):
     rank, world, dev, n, src = ctx.rank, ctx.world_size, ctx.device, args.size, 0
-    all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     # with meter(name, lambda: [the tensors the block allocates]): measured around the block
     meter = Meter(ctx)
 
@@ -60,7 +59,7 @@ def main(args, ctx):
     with meter("all_gather+sum", lambda: [y, gathered, total]):
         y = rows(rank, 1, n, dev)
         gathered = torch.empty(world * n, dtype=torch.int32, device=dev)
-        all_gather_single(gathered, y)
+        dist.all_gather_single(gathered, y)
         total = gathered.view(world, n).sum(0, dtype=torch.int32)
 
     check_results(

@@ -52,7 +52,6 @@ def main(args, ctx):
     check_objects(config[0], everyone, at_zero, mine[0], rank, world)
 
     # Cost: the same numbers as a Python list through all_gather_object, and as a tensor.
-    all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     numbers = [float(100 * rank + i) for i in range(args.numbers)]
     as_tensor = torch.tensor(numbers, device=ctx.device)
 
@@ -63,7 +62,7 @@ def main(args, ctx):
 
     def by_tensor():
         out = torch.empty(world * args.numbers, device=ctx.device)
-        all_gather_single(out, as_tensor)
+        dist.all_gather_single(out, as_tensor)
         return out
 
     times = {

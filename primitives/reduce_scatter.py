@@ -26,9 +26,6 @@ from launch.dist_setup import int_in, lesson_parser, print0, print_in_order, run
 
 def main(args, ctx):
     rank, world, n = ctx.rank, ctx.world_size, args.size
-    reduce_scatter_single = (
-        getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    )
 
     i = torch.arange(n, device=ctx.device)
     pieces = [100 * rank + 10 * j + i for j in range(world)]
@@ -40,7 +37,7 @@ def main(args, ctx):
     check_own_piece_summed("reduce_scatter", out, rank, world, n)
 
     out = torch.empty(n, dtype=torch.int64, device=ctx.device)
-    reduce_scatter_single(out, torch.cat(pieces), op=dist.ReduceOp.SUM)
+    dist.reduce_scatter_single(out, torch.cat(pieces), op=dist.ReduceOp.SUM)
     print_in_order(f"reduce_scatter_single:  piece {rank} summed over ranks = {out.tolist()}")
     check_own_piece_summed("reduce_scatter_single", out, rank, world, n)
 

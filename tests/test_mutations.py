@@ -126,8 +126,8 @@ PRIMITIVES = [
         "primitives/benchmark_collectives.py",
         [
             (
-                "lambda: ALL_GATHER_SINGLE(out, inp)",
-                "lambda: ALL_GATHER_SINGLE(out, out[rank * part : (rank + 1) * part])",
+                "lambda: dist.all_gather_single(out, inp)",
+                "lambda: dist.all_gather_single(out, out[rank * part : (rank + 1) * part])",
             )
         ],
         "wrong result of all_gather",
@@ -451,7 +451,7 @@ FSDP_BASICS = [
     Mutation(
         "zero_stages-all-gather-left-out",
         "fsdp_basics/zero_stages.py",
-        [("all_gather(flat, shard.detach().clone())", "pass")],
+        [("dist.all_gather_single(flat, shard.detach().clone())", "pass")],
         "ZeRO by hand differs from single-process training by",
     ),
     Mutation(
@@ -465,8 +465,8 @@ FSDP_BASICS = [
         "fsdp_basics/zero_stages.py",
         [
             (
-                "reduce_scatter(mine_only, grads, op=dist.ReduceOp.AVG)",
-                "reduce_scatter(mine_only, grads, op=dist.ReduceOp.SUM)",
+                "reduce_scatter_single(mine_only, grads, op=dist.ReduceOp.AVG)",
+                "reduce_scatter_single(mine_only, grads, op=dist.ReduceOp.SUM)",
             )
         ],
         "the averaged gradient slices differ from one process's gradient by",

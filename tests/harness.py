@@ -106,11 +106,12 @@ def lesson_env(extra=None):
 
 def log_launch(kind, command, wall_s, cpu_s):
     """With TEST_LAUNCH_LOG=file, every launch of the suite appends one line there (to count them
-    and see where the suite's time goes): kind, wall seconds, CPU seconds of its processes,
-    command."""
+    and see where the suite's time goes): kind, wall seconds, CPU seconds of its processes, the
+    test that launched it, command."""
     if os.environ.get("TEST_LAUNCH_LOG"):
+        test = os.environ.get("PYTEST_CURRENT_TEST", "-").split(" ")[0]
         with open(os.environ["TEST_LAUNCH_LOG"], "a") as f:
-            f.write(f"{kind} {wall_s:.1f} {cpu_s:.1f} {' '.join(map(str, command))}\n")
+            f.write(f"{kind} {wall_s:.1f} {cpu_s:.1f} {test} {' '.join(map(str, command))}\n")
 
 
 def _children_cpu_s():

@@ -29,13 +29,19 @@ def pytest_sessionstart(session):
 
 
 def pytest_addoption(parser):
-    parser.addoption(
-        "--gpu",
-        action="store_true",
-        help="GPU mode: also run every lesson on this machine's GPUs with NCCL at each world "
-        "size from 1 to the number of GPUs, and with Gloo on CUDA tensors at 2 ranks "
-        "(tests/test_gpu.py)",
-    )
+    # The GPU tiers of tests/test_gpu.py (see its docstring and CONTRIBUTING.md)
+    for name, what in (
+        ("--gpu", "the node check: every lesson on NCCL at the node's GPUs and at 2, under 15 min"),
+        ("--gpu-full", "every lesson at every world size up to the GPUs, every Gloo-on-CUDA case"),
+        ("--gpu-scale", "the GPU-scale commands the READMEs advertise (memory and time stated)"),
+    ):
+        parser.addoption(name, action="store_true", help=f"GPU mode, tests/test_gpu.py: {what}")
+
+
+def pytest_report_collectionfinish(config, items):
+    """tests/test_gpu.py's run count and time estimate per tier, under --collect-only too."""
+    modules = {item.module for item in items if item.module.__name__ == "test_gpu"}
+    return [line for module in modules for line in module.collection_report(config)]
 
 
 # Tests that share a session-scoped run (or one Slurm cluster, or network namespaces) stay on one

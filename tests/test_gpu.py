@@ -507,6 +507,12 @@ def test_gpu(case, tmp_path, inductor_cache):
             pytest.skip(f"{case.id}: needs {case.memory_gib} GiB per GPU, this one has {have:.0f}")
     # inductor's cache and every output under tmp_path: nothing lands in the checkout
     env = gpu_env({"TORCHINDUCTOR_CACHE_DIR": str(inductor_cache), **case.env})
+    run_case(case, tmp_path, env, real)
+
+
+def run_case(case, tmp_path, env, real):
+    """One run and its checks (apart from the GPU checks above, so that the launches can be tried
+    on a CPU with gloo/cpu in place of nccl/cuda)."""
     timeout = SLACK * case.budget
     spec = LESSONS[case.lesson]
     args = list(case.args)
@@ -515,7 +521,7 @@ def test_gpu(case, tmp_path, inductor_cache):
     if case.launcher == "two_jobs":
         return two_jobs(real, timeout)
     if case.launcher == "command":
-        return command_case(case, tmp_path, env, timeout)
+        return command_case(case, tmp_path, env, timeout, "cuda" if real else "cpu")
     if case.launcher == "elastic":
         env = {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # see launch/elastic.py
         result = run_command(elastic_command(case, args), timeout=timeout, env=env)
@@ -553,7 +559,7 @@ def elastic_command(case, args):
     ]
 
 
-def command_case(case, tmp_path, env, timeout):
+def command_case(case, tmp_path, env, timeout, device):
     if case.lesson == "launch/spawn_template.py":
         result = run_command(
             [sys.executable, case.lesson, "--nproc", str(case.nproc)], timeout=timeout, env=env
@@ -568,7 +574,7 @@ def command_case(case, tmp_path, env, timeout):
     )  # fmt: skip
     assert_ok(trained)
     result = run_command(
-        [sys.executable, case.lesson, "--checkpoint", str(out / "model.pt"), "--device", "cuda"],
+        [sys.executable, case.lesson, "--checkpoint", str(out / "model.pt"), "--device", device],
         timeout=timeout,
         env=env,
     )

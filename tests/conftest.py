@@ -38,10 +38,21 @@ def pytest_addoption(parser):
         parser.addoption(name, action="store_true", help=f"GPU mode, tests/test_gpu.py: {what}")
 
 
-def pytest_report_collectionfinish(config, items):
-    """tests/test_gpu.py's run count and time estimate per tier, under --collect-only too."""
-    modules = {item.module for item in items if item.module.__name__ == "test_gpu"}
-    return [line for module in modules for line in module.collection_report(config)]
+def gpu_tier_lines(config):
+    """tests/test_gpu.py's run count and time estimate per chosen tier."""
+    if any(config.getoption(name) for name in ("--gpu", "--gpu-full", "--gpu-scale")):
+        import test_gpu
+
+        return test_gpu.collection_report(config)
+    return []
+
+
+def pytest_report_header(config):  # shown by xdist's controller too; -q hides the header, so:
+    return gpu_tier_lines(config) if config.option.verbose >= 0 else []
+
+
+def pytest_report_collectionfinish(config):  # after "collected N items", -q and --collect-only
+    return gpu_tier_lines(config) if config.option.verbose < 0 else []
 
 
 # Tests that share a session-scoped run (or one Slurm cluster, or network namespaces) stay on one

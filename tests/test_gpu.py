@@ -413,7 +413,10 @@ def collection_report(config):
     """Printed at collection (tests/conftest.py, pytest_report_collectionfinish)."""
     gpus, lines = gpu_count(), []
     for opt in chosen_tiers(config):
-        n, seconds = estimate(TIERS[opt](gpus) if gpus else [])
+        if not gpus:
+            lines.append(f"GPU tier {opt}: no GPU here (GPU_TEST_DEVICES=8 lists its runs)")
+            continue
+        n, seconds = estimate(TIERS[opt](gpus))
         lines.append(
             f"GPU tier {opt}: {n} runs at {gpus} GPU(s), estimate {seconds / 60:.1f} min "
             f"(sum of per-run budgets, reasoned; limit per run {SLACK}x its budget)"

@@ -136,7 +136,10 @@ LESSONS = {
     # Under the harness's torchrun (static rendezvous) the agent shares its store
     # (TORCHELASTIC_USE_AGENT_STORE=True) and elastic.py refuses to start: it runs as its docstring
     # says, c10d rendezvous and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (launcher "elastic").
-    "launch/elastic.py": dict(min_ranks=1, gloo_cuda=True, launch="elastic", out="--ckpt-dir"),
+    # extra: c10d's rendezvous (last_call_timeout 1 s) and 20 steps of 0.05 s
+    "launch/elastic.py": dict(
+        min_ranks=1, gloo_cuda=True, launch="elastic", out="--ckpt-dir", extra=3
+    ),
     "launch/spawn_template.py": dict(
         min_ranks=1, gloo_cuda=None, nccl="its own mp.spawn, Gloo on CPU (NODE_OTHER)"
     ),
@@ -233,7 +236,6 @@ class Case:
     expect: str = "OK"  # "OK", or a line it must print when it refuses
     needs_gpus: int = 1
     memory_gib: int = 0  # per GPU (--gpu-scale)
-    note: str = ""
 
 
 def _short(lesson):

@@ -29,13 +29,30 @@ def pytest_sessionstart(session):
 
 
 def pytest_addoption(parser):
-    parser.addoption(
-        "--gpu",
-        action="store_true",
-        help="GPU mode: also run every lesson on this machine's GPUs with NCCL at each world "
-        "size from 1 to the number of GPUs, and with Gloo on CUDA tensors at 2 ranks "
-        "(tests/test_gpu.py)",
-    )
+    # The GPU tiers of tests/test_gpu.py (see its docstring and CONTRIBUTING.md)
+    for name, what in (
+        ("--gpu", "the node check: every lesson on NCCL at the node's GPUs and at 2, under 15 min"),
+        ("--gpu-full", "every lesson at every world size up to the GPUs, every Gloo-on-CUDA case"),
+        ("--gpu-scale", "the GPU-scale commands the READMEs advertise (memory and time stated)"),
+    ):
+        parser.addoption(name, action="store_true", help=f"GPU mode, tests/test_gpu.py: {what}")
+
+
+def gpu_tier_lines(config):
+    """tests/test_gpu.py's run count and time estimate per chosen tier."""
+    if any(config.getoption(name) for name in ("--gpu", "--gpu-full", "--gpu-scale")):
+        import test_gpu
+
+        return test_gpu.collection_report(config)
+    return []
+
+
+def pytest_report_header(config):  # shown by xdist's controller too; -q hides the header, so:
+    return gpu_tier_lines(config) if config.option.verbose >= 0 else []
+
+
+def pytest_report_collectionfinish(config):  # after "collected N items", -q and --collect-only
+    return gpu_tier_lines(config) if config.option.verbose < 0 else []
 
 
 # Tests that share a session-scoped run (or one Slurm cluster, or network namespaces) stay on one

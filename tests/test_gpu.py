@@ -1,36 +1,88 @@
-"""The GPU mode of the suite: `pytest --gpu` on a machine with CUDA GPUs.
+"""The GPU mode of the suite: three tiers, each chosen by its own option, on a machine with GPUs.
 
-Every lesson runs under torchrun with NCCL (`--backend nccl`, one rank per GPU) at each world
-size from 1 up to the number of GPUs that the lesson accepts, and with Gloo on CUDA tensors
-(`--backend gloo --device cuda`) at 2 ranks, which may share one GPU: lessons that support it
-must print OK, lessons whose calls Gloo cannot do on CUDA tensors (send/recv) must refuse with
-one line. Without `--gpu`, or on a machine without a GPU, every test here skips with one reason;
-the CPU suite is the same either way. On a GPU node it doubles as a check that the node works:
+    pytest --gpu tests/test_gpu.py         # the node check: every lesson, under 15 min on 8 GPUs
+    pytest --gpu-full tests/test_gpu.py    # the whole matrix: every world size, hours
+    pytest --gpu-scale tests/test_gpu.py   # the GPU-scale commands the READMEs advertise
 
-    pytest --gpu tests/test_gpu.py            # only the GPU mode
-    pytest --gpu tests/test_gpu.py -k nccl    # NCCL only
+The node check runs every lesson once with NCCL at the node's GPUs (the largest world size up to 8
+that the lesson's divisibility allows; torchrun, as a reader starts it) and once at 2 GPUs (the
+warm launcher, tests/warm_launcher.py: no torch import per rank), the Gloo-with-CUDA cases that
+teach something (NODE_GLOO), `python lesson.py --nproc N` for a handful (NODE_PYTHON), the lessons
+that are not torchrun jobs in their own way, and DIST_DEVICE=cuda once. Each run has a budget in
+seconds (BUDGET below, per lesson where it differs); a run's time limit is SLACK x its budget. At
+collection the run count and the sum of the budgets are printed (tests/conftest.py); the CPU test
+tests/test_gpu_tiers.py keeps the node check's sum within 15 min for 8 GPUs and every lesson in it.
+
+GPU_TEST_DEVICES=8 sets the device count for collection only, so that on a CPU machine
+`GPU_TEST_DEVICES=8 pytest --collect-only --gpu tests/test_gpu.py -q` lists the tiers; the tests
+still skip without a GPU. Without a tier option, or without a GPU, everything here skips with one
+line. Every run that writes gets a tmp dir: nothing is written into the checkout.
+
+All budgets, memory figures and GPU expectations here are reasoned from torch 2.13's source and
+the lessons' code, not measured: no GPU was available when they were written (2026-11-26). A row
+that has run on a GPU gets a comment with the date and the GPU's name.
+
+CUDA-only branches (code that runs only when ctx.device is cuda) and the run that executes each:
+- ddp_basics/ddp_checkpoint.py, the CUDA RNG state gathered, saved and restored:
+  nccl-*-ddp_checkpoint
+- primitives/async_collectives.py, WorkResult/Future completed by ProcessGroupNCCL's watchdog and
+  torch.accelerator.synchronize before timing: nccl-*-async_collectives
+- ddp_basics/dataparallel_vs_ddp.py, the DataParallel half (n = the local GPUs): nccl-*-dataparallel
+- ddp_basics/ddp_overlap.py, torch.cuda.Event timing: nccl-*-ddp_overlap
+- primitives/weight_sync_two_jobs.py, ProcessGroupNCCL built on the store: two_jobs
+- transformer_basics/composition.py, inductor (its CUDA default) and the peak-memory line:
+  nccl-*-composition
+- collective_costs.py, benchmark.py, train_cp.py, training.py (MFU, bf16 autocast): CUDA memory
+  statistics / the GPU's name: their nccl-* runs
+- ring_all_reduce.py, ring_all_reduce_pipelined.py, weight_sync.py, benchmark_collectives.py,
+  benchmark_ddp.py, object_collectives.py: synchronize before reading a clock: their nccl-* runs
+- fsdp_offload.py, CPUOffloadPolicy(pin_memory=True): nccl-*-fsdp_offload
+- dtensor_basics.py, the RNG tracker (rank 0's state, no per-rank check): nccl-*-dtensor_basics
+- the device_ids=[ctx.device] of DDP (ddp_minimal and the DDP lessons): their nccl-* runs
+- hello_distributed.py, torch.cuda.set_device and device_id: nccl-*-hello_distributed
+- backend_matrix.py, its CUDA columns: nccl-*-backend_matrix
 """
 
 import os
+import sys
+import uuid
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-from harness import assert_fails, assert_ok, run_lesson
+from harness import assert_fails, assert_ok, free_port, run_command, run_lesson
 
-TIMEOUT = 300
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+NODE_BUDGET_S, NODE_GPUS = 15 * 60, 8  # the node check's promise: 15 min on an 8-GPU node
+SLACK = 3  # a run's time limit is SLACK x its budget: a slow node still passes, a hang stops
 MAX_WORLD = 8  # the sizes the lessons promise: 1, 2, 4 and 8 GPUs (and what lies between)
+# Seconds per run, reasoned (no GPU to measure): torchrun at 8 ranks = the agent's and then each
+# rank's torch import (about 2 s each, one after the other), a CUDA context per rank (under 1 s),
+# NCCL's first communicator (about 1 s), teardown; the warm launcher forks ranks that have torch
+# imported (CUDA context and communicator only); python = mp's spawn, an import per rank. Budgets
+# are floats so that a half second counts.
+BUDGET = dict(torchrun=5.0, warm=2.5, python=7.0)
+
+
+def gpu_count():
+    """GPU_TEST_DEVICES (collection only) or the GPUs torch sees."""
+    forced = os.environ.get("GPU_TEST_DEVICES")
+    if forced:
+        return int(forced)
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
 
 # lesson -> min_ranks: smallest NCCL world; divides: the world size must divide this (a batch or a
 # head count; the defaults are chosen so that 1, 2, 4 and 8 do); gloo_cuda: runs on Gloo with CUDA
-# tensors (False: it must refuse with one line; None: it has no --device flag); args: a short run.
+# tensors (False: it must refuse with one line; None: it has no --device flag); args: a short run;
+# extra: seconds a run takes beyond the launcher's budget; out: the flag its output path takes
+# (a tmp path is given); nccl: a string says why the lesson has no NCCL run (run another way).
+# The gloo_cuda=True expectations are reasoned, not run (most at risk: the list forms of
+# reduce_scatter and all_to_all, FSDP2 and DTensor on Gloo with CUDA tensors): NODE_GLOO has them.
 ANY, P2P = dict(min_ranks=1, gloo_cuda=True), dict(min_ranks=2, gloo_cuda=False)
 BATCH48 = dict(min_ranks=1, gloo_cuda=True, divides=48)
 LESSONS = {
-    "primitives/hello_distributed.py": dict(
-        min_ranks=1, gloo_cuda=None
-    ),  # no --device flag: NCCL or CPU
+    "primitives/hello_distributed.py": dict(min_ranks=1, gloo_cuda=None),  # no --device flag
     "primitives/init_methods.py": ANY,
     "primitives/point_to_point.py": P2P,
     "primitives/deadlock.py": P2P,
@@ -45,7 +97,7 @@ LESSONS = {
     "primitives/scatter.py": ANY,
     "primitives/reduce_scatter.py": ANY,
     "primitives/all_to_all.py": ANY,
-    "primitives/barrier.py": ANY,
+    "primitives/barrier.py": ANY,  # writes in tempfile.gettempdir(), not the checkout
     "primitives/async_collectives.py": ANY,
     "primitives/collective_costs.py": ANY,
     "primitives/object_collectives.py": ANY,
@@ -56,11 +108,11 @@ LESSONS = {
     "primitives/grad_through_collectives.py": ANY,
     "primitives/ring_all_reduce.py": P2P,
     "primitives/weight_sync.py": dict(min_ranks=2, gloo_cuda=True),
-    "primitives/backend_matrix.py": dict(min_ranks=2, gloo_cuda=True),
+    "primitives/backend_matrix.py": dict(min_ranks=2, gloo_cuda=True, extra=5),
     "primitives/benchmark_collectives.py": dict(
-        min_ranks=2, gloo_cuda=False, args=["--max-bytes", "64M"]
+        min_ranks=2, gloo_cuda=False, args=["--max-bytes", "64M"], extra=10
     ),
-    "primitives/debug_hangs.py": dict(min_ranks=2, gloo_cuda=True),
+    "primitives/debug_hangs.py": dict(min_ranks=2, gloo_cuda=True, extra=8),  # 2 s timeouts
     "primitives/gil_threads_vs_processes.py": dict(
         min_ranks=2, gloo_cuda=True, args=["--work", "200000"]
     ),
@@ -68,22 +120,42 @@ LESSONS = {
     "primitives/dtensor_redistribute.py": ANY,
     "primitives/dtensor_loss_parallel.py": ANY,
     "primitives/ring_all_reduce_pipelined.py": P2P,
+    # NCCL's watchdog ends a rank whose collective times out (TORCH_NCCL_ASYNC_ERROR_HANDLING),
+    # so the lesson's catch-then-dump path is Gloo's: NODE_OTHER runs it on Gloo on a GPU node.
+    "primitives/flight_recorder.py": dict(
+        min_ranks=2, gloo_cuda=None, nccl="hangs on purpose: Gloo only (NODE_OTHER)"
+    ),
+    "primitives/rpc_pipeline.py": dict(
+        min_ranks=2, gloo_cuda=None, nccl="RPC on CPU tensors, no process group (NODE_OTHER)"
+    ),
+    "primitives/weight_sync_two_jobs.py": dict(
+        min_ranks=2, gloo_cuda=None, nccl="two jobs, not one (NODE_OTHER: two_jobs)"
+    ),
     "launch/print_env.py": ANY,
     "launch/legacy_launch.py": ANY,
-    "launch/elastic.py": ANY,
+    # Under the harness's torchrun (static rendezvous) the agent shares its store
+    # (TORCHELASTIC_USE_AGENT_STORE=True) and elastic.py refuses to start: it runs as its docstring
+    # says, c10d rendezvous and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (launcher "elastic").
+    # extra: c10d's rendezvous (last_call_timeout 1 s) and 20 steps of 0.05 s
+    "launch/elastic.py": dict(
+        min_ranks=1, gloo_cuda=True, launch="elastic", out="--ckpt-dir", extra=3
+    ),
+    "launch/spawn_template.py": dict(
+        min_ranks=1, gloo_cuda=None, nccl="its own mp.spawn, Gloo on CPU (NODE_OTHER)"
+    ),
     "ddp_basics/manual_data_parallel.py": dict(min_ranks=1, gloo_cuda=True, divides=96),
     "ddp_basics/ddp_minimal.py": ANY,
-    "ddp_basics/ddp_checkpoint.py": ANY,
+    "ddp_basics/ddp_checkpoint.py": dict(min_ranks=1, gloo_cuda=True, out="--out"),
     "ddp_basics/ddp_grad_accumulation.py": dict(
         min_ranks=1, gloo_cuda=True, divides=1536
     ),  # whole micro-batches
     "ddp_basics/ddp_mixed_precision.py": ANY,
-    "ddp_basics/ddp_comm_hooks.py": ANY,
+    "ddp_basics/ddp_comm_hooks.py": dict(min_ranks=1, gloo_cuda=True, extra=5),
     "ddp_basics/ddp_uneven_inputs.py": dict(min_ranks=2, gloo_cuda=True),
     "ddp_basics/ddp_unused_parameters.py": dict(min_ranks=1, gloo_cuda=True, divides=48),
     "ddp_basics/syncbatchnorm.py": ANY,
     "ddp_basics/dataparallel_vs_ddp.py": dict(min_ranks=1, gloo_cuda=True, divides=96),
-    "ddp_basics/benchmark_ddp.py": dict(min_ranks=1, gloo_cuda=True, divides=192),
+    "ddp_basics/benchmark_ddp.py": dict(min_ranks=1, gloo_cuda=True, divides=192, extra=5),
     # any N: 100 samples pad at 3, 6, 7 and 8 GPUs, which it checks
     "ddp_basics/distributed_eval.py": ANY,
     "ddp_basics/ddp_overlap.py": ANY,  # any N: each rank trains on its own slice of generated data
@@ -92,19 +164,23 @@ LESSONS = {
     "fsdp_basics/fsdp_minimal.py": BATCH48,
     "fsdp_basics/fsdp_mixed_precision.py": BATCH48,
     "fsdp_basics/fsdp_memory.py": ANY,
-    "fsdp_basics/fsdp_checkpoint.py": BATCH48,
+    "fsdp_basics/fsdp_checkpoint.py": dict(BATCH48, out="--dir"),
     "fsdp_basics/fsdp_offload.py": BATCH48,
     "fsdp_basics/zero_stages.py": BATCH48,
-    "fsdp_basics/zero_redundancy_optimizer.py": BATCH48,  # saves runs/zero_redundancy_optimizer.pt
-    "fsdp_basics/fsdp_memory_plan.py": ANY,  # any N: the plan is made for the size it runs at
+    "fsdp_basics/zero_redundancy_optimizer.py": dict(BATCH48, out="--checkpoint"),  # a file
+    "fsdp_basics/fsdp_memory_plan.py": dict(ANY, extra=5),  # any N: planned for the size it runs
     "fsdp_basics/hsdp.py": BATCH48,  # and --replicas (default 2 at 4+ even ranks, else 1) divides N
     "fsdp_basics/fsdp_overlap.py": BATCH48,
-    "transformer_basics/train.py": dict(min_ranks=1, gloo_cuda=True, args=["--steps", "60"]),
-    "transformer_basics/train_2d.py": dict(min_ranks=1, gloo_cuda=True, args=["--steps", "30"]),
+    "transformer_basics/train.py": dict(
+        min_ranks=1, gloo_cuda=True, args=["--steps", "60"], extra=5, out="--out"
+    ),
+    "transformer_basics/train_2d.py": dict(
+        min_ranks=1, gloo_cuda=True, args=["--steps", "30"], extra=5, out="--out"
+    ),
     "transformer_basics/tensor_parallel.py": dict(min_ranks=1, gloo_cuda=True, divides=24),
     "transformer_basics/pipeline_parallel.py": dict(min_ranks=1, gloo_cuda=False),
     "transformer_basics/benchmark.py": dict(
-        min_ranks=1, gloo_cuda=True, divides=24, args=["--steps", "6", "--warmup", "2"]
+        min_ranks=1, gloo_cuda=True, divides=24, args=["--steps", "6", "--warmup", "2"], extra=5
     ),
     "transformer_basics/ring_attention.py": dict(
         min_ranks=1, gloo_cuda=False, divides=24
@@ -118,126 +194,378 @@ LESSONS = {
     "transformer_basics/train_cp.py": dict(
         min_ranks=1, gloo_cuda=False, divides=24
     ),  # 2cp divides --block-size 96
+    # inductor on CUDA: the first step compiles on every rank (its 600 s collective timeout covers
+    # that, see the lesson). One inductor cache for the session (in a tmp dir): the tier's first run
+    # compiles cold (extra), the later ones find the kernels (extra_cached).
     "transformer_basics/composition.py": dict(
-        min_ranks=1, gloo_cuda=True
-    ),  # inductor on CUDA (not run here: no GPU)
+        min_ranks=1, gloo_cuda=True, extra=60, extra_cached=15
+    ),
+    "transformer_basics/generate.py": dict(
+        min_ranks=1, gloo_cuda=None, nccl="one process, no group (NODE_OTHER: after train.py)"
+    ),
 }
-# Not here, with the reason: primitives/weight_sync_two_jobs.py runs as two jobs
-# (test_weight_sync_two_jobs below); launch/spawn_template.py is a CPU/Gloo template that starts its
-# own processes (no device choice); the shell scripts (multinode_local.sh, netns_two_hosts.sh,
-# slurm.sbatch) launch the lessons above in other ways and are covered by the CPU suite.
+# Gloo with CUDA tensors in the node check: each teaches something (the rest: --gpu-full).
+NODE_GLOO = [
+    "primitives/point_to_point.py",  # the refusal: Gloo has no send/recv on CUDA tensors
+    "primitives/all_reduce.py",
+    "primitives/reduce_scatter.py",  # the list form, staged through the host
+    "primitives/all_to_all.py",  # the list form
+    "fsdp_basics/fsdp_minimal.py",  # FSDP2 on Gloo
+    "primitives/dtensor_basics.py",  # DTensor on Gloo with CUDA tensors: the RNG tracker's path
+    "ddp_basics/ddp_minimal.py",
+]
+# `python lesson.py --nproc N` (mp's forkserver path with CUDA) in the node check.
+NODE_PYTHON = [
+    "primitives/all_reduce.py",
+    "ddp_basics/ddp_minimal.py",
+    "fsdp_basics/fsdp_minimal.py",
+    "launch/elastic.py",
+    "primitives/dtensor_basics.py",  # DTensor's RNG tracker on the spawn path
+]
 
 
-def gpu_mode_reason(config):
-    if not config.getoption("--gpu"):
-        return "GPU mode: run `pytest --gpu` on a machine with CUDA GPUs"
-    if GPUS == 0:
-        return "GPU mode: no CUDA GPU on this machine (torch.cuda.device_count() is 0)"
-    return None
+@dataclass
+class Case:
+    id: str
+    lesson: str
+    launcher: str  # torchrun, warm, python, elastic, two_jobs, command
+    nproc: int
+    budget: float  # seconds, reasoned
+    args: tuple = ()
+    env: dict = field(default_factory=dict)
+    expect: str = "OK"  # "OK", or a line it must print when it refuses
+    needs_gpus: int = 1
+    memory_gib: int = 0  # per GPU (--gpu-scale)
 
 
-def gpu_env():
-    """The CPU suite may hide the GPUs from the lessons; these runs must see them."""
-    return {
-        "CUDA_VISIBLE_DEVICES": os.environ.get(
-            "CUDA_VISIBLE_DEVICES", ",".join(map(str, range(GPUS)))
+def _short(lesson):
+    return lesson.rsplit("/", 1)[1].removesuffix(".py")
+
+
+def _sizes(spec, top):
+    """World sizes from min_ranks to top that the lesson's divisibility allows."""
+    return [n for n in range(spec["min_ranks"], top + 1) if spec.get("divides", n) % n == 0]
+
+
+def _run(lesson, spec, n, launcher, tier, *args, env=None, first=False):
+    """first: the lesson's first run in its tier (a cold inductor cache: extra; else
+    extra_cached)."""
+    extra = spec.get("extra", 0) if first else spec.get("extra_cached", spec.get("extra", 0))
+    budget = BUDGET["torchrun" if launcher == "elastic" else launcher] + extra
+    launcher = spec.get("launch", launcher) if launcher == "torchrun" else launcher
+    return Case(
+        f"{tier}-{n}-{_short(lesson)}",
+        lesson,
+        launcher,
+        n,
+        budget,
+        (*args, *spec.get("args", ())),
+        env or {},
+        needs_gpus=n,
+    )
+
+
+def node_check(gpus):
+    """The node check at `gpus` GPUs (1 or more)."""
+    top, cases = min(gpus, MAX_WORLD), []
+    for lesson, spec in LESSONS.items():
+        if "nccl" in spec:
+            continue
+        sizes = _sizes(spec, top)
+        if sizes:  # the node's GPUs, with torchrun as readers start it
+            top_run = _run(
+                lesson, spec, sizes[-1], "torchrun", "nccl", "--backend", "nccl", first=True
+            )
+            cases.append(top_run)
+        if 2 in sizes[:-1]:  # and 2 GPUs, warm (the lesson's own launch if it has one)
+            launcher = spec.get("launch", "warm")
+            cases.append(_run(lesson, spec, 2, launcher, "nccl", "--backend", "nccl"))
+    for lesson in NODE_GLOO:
+        cases.append(gloo_case(lesson))
+    for lesson in NODE_PYTHON:
+        spec = LESSONS[lesson]
+        n = _sizes(spec, min(top, 2))[-1]
+        cases.append(_run(lesson, spec, n, "python", "python", "--backend", "nccl"))
+    cases += other_cases(gpus)
+    return cases
+
+
+def gloo_case(lesson):
+    spec = LESSONS[lesson]
+    case = _run(lesson, spec, 2, "warm", "gloo", "--backend", "gloo", "--device", "cuda")
+    case.needs_gpus = 1  # two ranks may share one GPU
+    if not spec["gloo_cuda"]:
+        case.expect = "needs CPU tensors"
+    return case
+
+
+def other_cases(gpus):
+    """The lessons that are not one torchrun job at a chosen backend, and DIST_DEVICE=cuda."""
+    two = min(gpus, 2)
+    return [
+        Case(
+            "other-dist_device_cuda",
+            "primitives/all_reduce.py",
+            "torchrun",
+            two,
+            BUDGET["torchrun"],
+            env={"DIST_DEVICE": "cuda"},  # no --backend: NCCL follows from the device
+            needs_gpus=two,
+        ),
+        Case("other-two_jobs", "primitives/weight_sync_two_jobs.py", "two_jobs", gpus, 15),
+        # flight_recorder's hangs on Gloo (see LESSONS), CUDA visible: the default a reader gets
+        # on a GPU node would be NCCL, so the backend is named
+        Case(
+            "other-flight_recorder",
+            "primitives/flight_recorder.py",
+            "python",
+            3,
+            BUDGET["python"] + 15,
+            ("--backend", "gloo", "--device", "cpu"),
+        ),
+        Case("other-rpc_pipeline", "primitives/rpc_pipeline.py", "python", 3, BUDGET["python"]),
+        Case("other-spawn_template", "launch/spawn_template.py", "command", 2, BUDGET["python"]),
+        # train.py in one process, then generate.py samples from its model.pt on the GPU
+        Case("other-generate", "transformer_basics/generate.py", "command", 1, 20),
+    ]
+
+
+def full_matrix(gpus):
+    """--gpu-full: every lesson at every world size from min_ranks to the GPUs, every Gloo case."""
+    top, cases = min(gpus, MAX_WORLD), []
+    for lesson, spec in LESSONS.items():
+        if "nccl" not in spec:
+            for i, n in enumerate(_sizes(spec, top)):
+                case = _run(lesson, spec, n, "torchrun", "full", "--backend", "nccl", first=i == 0)
+                cases.append(case)
+    cases += [
+        gloo_case(lesson) for lesson, spec in LESSONS.items() if spec["gloo_cuda"] is not None
+    ]
+    return cases + other_cases(gpus)
+
+
+def scale(gpus):
+    """--gpu-scale: the commands the READMEs advertise for GPUs, at the size they give; each states
+    the GPUs, memory per GPU (GiB) and seconds it needs, reasoned from the sizes (not run)."""
+
+    def row(name, lesson, seconds, gib, flags):
+        return Case(f"scale-8-{name}", lesson, "torchrun", 8, seconds, tuple(flags.split()),
+                    needs_gpus=8, memory_gib=gib)  # fmt: skip
+
+    gpt2 = "--gpt2-small --steps 200 --eval-every 0"  # the README's, 200 steps (not 5000)
+    train, t2d = "transformer_basics/train.py", "transformer_basics/train_2d.py"
+    return [
+        # primitives/README.md "On GPUs" (without --json/--csv): 7 collectives, 8 B to 8 GiB;
+        # per rank twice the message plus ~0.3 GB (the tool's docstring): 17 GiB
+        row(
+            "benchmark_collectives",
+            "primitives/benchmark_collectives.py",
+            300,
+            17,
+            "--min-bytes 8 --max-bytes 8G --factor 2 --iters 20 --dtype bfloat16",
+        ),
+        # primitives/README.md, the RLHF weight update at its GPU size, 24 layers of width 4096
+        row(
+            "weight_sync",
+            "primitives/weight_sync.py",
+            60,
+            12,
+            "--layers 24 --width 4096 --bucket-mb 256",
+        ),
+        # transformer_basics/README.md "One node with 8 GPUs": GPT-2 small (124M parameters), the
+        # corpus data.py makes; DDP, then FSDP with --compile (inductor's first step: minutes)
+        row("train_gpt2_ddp", train, 300, 20, gpt2),
+        row("train_gpt2_fsdp_compile", train, 420, 20, f"{gpt2} --parallel fsdp --compile"),
+        row("train_2d_gpt2_tp4", t2d, 300, 20, f"{gpt2} --tp 4"),
+        row(
+            "benchmark_gpt2",
+            "transformer_basics/benchmark.py",
+            240,
+            30,
+            "--n-layer 12 --n-head 16 --n-embd 768 --block-size 1024",
+        ),
+        # long context (no README gives a size): ring attention over 8 GPUs at 16384 tokens; the
+        # check's full float64 attention holds 2 heads x 16384^2 x 8 B = 4 GiB of scores, about
+        # 3x that with its backward
+        row(
+            "ring_attention_16k",
+            "transformer_basics/ring_attention.py",
+            180,
+            16,
+            "--seq 16384 --batch 1 --heads 2 --head-dim 64",
+        ),
+        # composition with inductor at 8 ranks, DDP (DDPOptimizer's graphs), a cold cache: the
+        # case its 600 s collective timeout is for
+        row("composition_ddp", "transformer_basics/composition.py", 300, 2, "--parallel ddp"),
+    ]
+
+
+TIERS = {"--gpu": node_check, "--gpu-full": full_matrix, "--gpu-scale": scale}
+
+
+def chosen_tiers(config):
+    return [opt for opt in TIERS if config.getoption(opt)]
+
+
+def estimate(cases):
+    return len(cases), sum(case.budget for case in cases)
+
+
+def collection_report(config):
+    """Printed at collection (tests/conftest.py, pytest_report_collectionfinish)."""
+    gpus, lines = gpu_count(), []
+    for opt in chosen_tiers(config):
+        if not gpus:
+            lines.append(f"GPU tier {opt}: no GPU here (GPU_TEST_DEVICES=8 lists its runs)")
+            continue
+        n, seconds = estimate(TIERS[opt](gpus))
+        lines.append(
+            f"GPU tier {opt}: {n} runs at {gpus} GPU(s), estimate {seconds / 60:.1f} min "
+            f"(sum of per-run budgets, reasoned; limit per run {SLACK}x its budget)"
         )
-    }
+    return lines
 
 
 def pytest_generate_tests(metafunc):
-    """Cases only where they can run: without the GPU mode, one skipped test says why."""
-    reason = gpu_mode_reason(metafunc.config)
-    if "nccl_case" in metafunc.fixturenames:
-        cases = (
-            [pytest.param(None, marks=pytest.mark.skip(reason=reason), id="off")]
-            if reason
-            else [
-                pytest.param((lesson, n), id=f"{n}-{lesson}")
-                if spec["min_ranks"] <= GPUS
-                else pytest.param(
-                    None,
-                    id=f"{spec['min_ranks']}-{lesson}",
-                    marks=pytest.mark.skip(
-                        reason=f"needs {spec['min_ranks']} GPUs, this machine has {GPUS}"
-                    ),
-                )
-                for lesson, spec in LESSONS.items()
-                for n in range(spec["min_ranks"], max(spec["min_ranks"], min(GPUS, MAX_WORLD)) + 1)
-                if spec.get("divides", n) % n == 0
-            ]
-        )
-        metafunc.parametrize("nccl_case", cases)
-    if "gloo_case" in metafunc.fixturenames:
-        cases = (
-            [pytest.param(None, marks=pytest.mark.skip(reason=reason), id="off")]
-            if reason
-            else [
-                pytest.param(lesson, id=lesson)
-                for lesson, spec in LESSONS.items()
-                if spec["gloo_cuda"] is not None
-            ]
-        )
-        metafunc.parametrize("gloo_case", cases)
+    if "case" not in metafunc.fixturenames:
+        return
+    tiers, gpus = chosen_tiers(metafunc.config), gpu_count()
+    if not tiers or gpus == 0:
+        why = "no tier option (--gpu, --gpu-full, --gpu-scale)" if not tiers else "no CUDA GPU"
+        off = pytest.param(None, id="off", marks=pytest.mark.skip(reason=f"GPU mode: {why}"))
+        metafunc.parametrize("case", [off])
+        return
+    cases = [case for opt in tiers for case in TIERS[opt](gpus)]
+    metafunc.parametrize("case", [pytest.param(c, id=c.id) for c in cases])
 
 
-def test_lesson_on_nccl(nccl_case):
-    lesson, nproc = nccl_case
-    result = run_lesson(
-        lesson,
-        "--backend",
-        "nccl",
-        *LESSONS[lesson].get("args", ()),
-        nproc=nproc,
-        timeout=TIMEOUT,
-        env=gpu_env(),
+def gpu_env(extra=None):
+    """The CPU suite hides the GPUs from the lessons (harness.lesson_env); these runs see them."""
+    gpus = torch.cuda.device_count()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus))))
+    return {"CUDA_VISIBLE_DEVICES": visible, **(extra or {})}
+
+
+@pytest.fixture(scope="session")
+def inductor_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("inductor")
+
+
+def test_gpu(case, tmp_path, inductor_cache):
+    real = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if real == 0:
+        pytest.skip("GPU mode: no CUDA GPU on this machine (GPU_TEST_DEVICES sets collection only)")
+    if case.needs_gpus > real:
+        pytest.skip(f"{case.id}: needs {case.needs_gpus} GPUs, this machine has {real}")
+    if case.memory_gib:
+        have = torch.cuda.get_device_properties(0).total_memory / 2**30
+        if have < case.memory_gib:
+            pytest.skip(f"{case.id}: needs {case.memory_gib} GiB per GPU, this one has {have:.0f}")
+    # inductor's cache and every output under tmp_path: nothing lands in the checkout
+    env = gpu_env({"TORCHINDUCTOR_CACHE_DIR": str(inductor_cache), **case.env})
+    run_case(case, tmp_path, env, real)
+
+
+def run_case(case, tmp_path, env, real):
+    """One run and its checks (apart from the GPU checks above, so that the launches can be tried
+    on a CPU with gloo/cpu in place of nccl/cuda)."""
+    timeout = SLACK * case.budget
+    spec = LESSONS[case.lesson]
+    args = list(case.args)
+    if spec.get("out"):
+        args += [spec["out"], str(tmp_path / "out")]
+    if case.launcher == "two_jobs":
+        return two_jobs(real, timeout)
+    if case.launcher == "command":
+        return command_case(case, tmp_path, env, timeout, "cuda" if real else "cpu")
+    if case.launcher == "elastic":
+        env = {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # see launch/elastic.py
+        result = run_command(elastic_command(case, args), timeout=timeout, env=env)
+    else:
+        result = run_lesson(
+            case.lesson, *args, nproc=case.nproc, launcher=case.launcher, timeout=timeout, env=env
+        )
+    if case.lesson == "primitives/rpc_pipeline.py":  # torch's own import warns: see that test
+        from test_rpc_pipeline import TORCHSCRIPT_AT_IMPORT
+
+        result.stderr = TORCHSCRIPT_AT_IMPORT.sub("", result.stderr)
+    if case.expect != "OK":
+        assert_fails(result, case.expect, within=2)
+        return
+    assert_ok(result)
+    if "cuda" in args:  # --device cuda: Gloo with CUDA tensors
+        assert "backend gloo, device cuda" in result.stdout, result
+    elif "nccl" in args:  # hello_distributed prints its own line: "nccl" is all they share
+        assert "nccl" in result.stdout, f"the lesson did not say it used NCCL\n{result}"
+    if case.env.get("DIST_DEVICE") == "cuda":
+        assert "backend nccl, device cuda" in result.stdout, result
+
+
+def elastic_command(case, args):
+    """launch/elastic.py's documented launch: c10d rendezvous, the shared store off."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1:2",
+        f"--nproc_per_node={case.nproc}",
+        "--max-restarts=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        f"--rdzv-id={uuid.uuid4().hex[:8]}",
+        "--rdzv-conf=last_call_timeout=1",
+        "launch/elastic.py",
+        *args,
+    ]
+
+
+def command_case(case, tmp_path, env, timeout, device):
+    if case.lesson == "launch/spawn_template.py":
+        result = run_command(
+            [sys.executable, case.lesson, "--nproc", str(case.nproc)], timeout=timeout, env=env
+        )
+        assert_ok(result)
+        return
+    out = tmp_path / "gpt"  # generate.py: a model.pt from train.py first, one process on GPU 0
+    trained = run_lesson(
+        "transformer_basics/train.py",
+        "--steps", "60", "--parallel", "none", "--out", str(out),
+        nproc=1, launcher="python", timeout=timeout, env=env,
+    )  # fmt: skip
+    assert_ok(trained)
+    result = run_command(
+        [sys.executable, case.lesson, "--checkpoint", str(out / "model.pt"), "--device", device],
+        timeout=timeout,
+        env=env,
     )
     assert_ok(result)
-    assert "nccl" in result.stdout, f"the lesson did not say it used NCCL\n{result}"
 
 
-def test_lesson_on_gloo_with_cuda_tensors(gloo_case):
-    lesson, spec = gloo_case, LESSONS[gloo_case]
-    result = run_lesson(
-        lesson,
-        "--backend",
-        "gloo",
-        "--device",
-        "cuda",
-        *spec.get("args", ()),
-        nproc=2,
-        timeout=TIMEOUT,
-        env=gpu_env(),
-    )
-    if spec["gloo_cuda"]:
-        assert_ok(result)
-        assert "backend gloo, device cuda" in result.stdout, result
-    else:
-        assert_fails(result, "needs CPU tensors", within=2)
-
-
-def test_weight_sync_two_jobs(request):
+def two_jobs(gpus, timeout):
     """The trainer job on GPU 0 (or GPUs 0 and 1, FSDP) and the inference job on the others, over
-    NCCL, each job seeing only its own GPUs, as the lesson tells; on a 1-GPU machine both jobs share
-    it through Gloo."""
-    reason = gpu_mode_reason(request.config)
-    if reason:
-        pytest.skip(reason)
-    from test_weight_sync import two_jobs
+    NCCL, each job seeing only its own GPUs, started with torchrun as primitives/README.md does;
+    on a 1-GPU machine both jobs share it through Gloo."""
+    from test_weight_sync import two_jobs as start
 
-    gpus = list(map(str, range(min(GPUS, MAX_WORLD))))
-    if len(gpus) == 1:
+    ids = list(map(str, range(min(gpus, MAX_WORLD))))
+    if len(ids) == 1:
         flags, trainers = ("--backend", "gloo", "--device", "cuda"), 1
-        envs, inference = ({"CUDA_VISIBLE_DEVICES": "0"},) * 2, 1
+        envs, inference = (gpu_env({"CUDA_VISIBLE_DEVICES": "0"}),) * 2, 1
     else:
-        flags, trainers = ("--backend", "nccl"), 2 if len(gpus) >= 4 else 1
+        flags, trainers = ("--backend", "nccl"), 2 if len(ids) >= 4 else 1
         envs = (
-            {"CUDA_VISIBLE_DEVICES": ",".join(gpus[:trainers])},
-            {"CUDA_VISIBLE_DEVICES": ",".join(gpus[trainers:])},
+            gpu_env({"CUDA_VISIBLE_DEVICES": ",".join(ids[:trainers])}),
+            gpu_env({"CUDA_VISIBLE_DEVICES": ",".join(ids[trainers:])}),
         )
-        inference = len(gpus) - trainers
-    trainer, engine = two_jobs(
-        trainers, inference, trainer_args=flags, inference_args=flags, envs=envs, timeout=TIMEOUT
+        inference = len(ids) - trainers
+    trainer, engine = start(
+        trainers,
+        inference,
+        launchers=("torchrun", "torchrun"),
+        trainer_args=flags,
+        inference_args=flags,
+        envs=envs,
+        timeout=timeout,
     )
     assert f"all {inference} inference rank(s) confirmed" in assert_ok(trainer)
     assert_ok(engine)

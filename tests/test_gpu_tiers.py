@@ -1,0 +1,116 @@
+"""The GPU tiers of tests/test_gpu.py, checked on the CPU (in this process, nothing launched): the
+node check fits its 15 minutes on an 8-GPU node by its budgets, holds every lesson, and every tier
+is well formed (unique ids, world sizes within the node, flags the lessons parse, outputs in tmp).
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+import test_gpu as gpu
+from lesson_cli import lesson_parser, lessons, parse
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = (1, 2, 4, 8)
+LAUNCHERS = {"torchrun", "warm", "python", "elastic", "two_jobs", "command"}
+
+
+def test_node_check_fits_its_budget_on_8_gpus():
+    cases = gpu.node_check(gpu.NODE_GPUS)
+    runs, seconds = gpu.estimate(cases)
+    largest = sorted(cases, key=lambda c: -c.budget)[:5]
+    assert seconds <= gpu.NODE_BUDGET_S, (
+        f"the node check at {gpu.NODE_GPUS} GPUs: {runs} runs, {seconds:.0f} s of budgets, over "
+        f"{gpu.NODE_BUDGET_S} s. Move a run to --gpu-full (NODE_GLOO, NODE_PYTHON), or lower a "
+        f"budget that a GPU run has measured lower. Largest: "
+        + ", ".join(f"{c.id} {c.budget:g} s" for c in largest)
+    )
+
+
+def test_every_lesson_is_in_the_node_check():
+    covered = {case.lesson for case in gpu.node_check(gpu.NODE_GPUS)}
+    missing = [lesson for lesson in lessons() if lesson not in covered]
+    rows = "\n".join(
+        f'    "{lesson}": ANY,   # or dict(min_ranks=2, gloo_cuda=False, divides=48, extra=5); '
+        'or nccl="why not" and a Case in other_cases()'
+        for lesson in missing
+    )
+    assert not missing, (
+        f"lessons the GPU node check does not run; add to LESSONS in tests/test_gpu.py:\n{rows}"
+    )
+    stale = [lesson for lesson in gpu.LESSONS if not (ROOT / lesson).exists()]
+    assert not stale, f"rows of LESSONS in tests/test_gpu.py for files that are gone: {stale}"
+
+
+@pytest.mark.parametrize("gpus", SIZES)
+@pytest.mark.parametrize("tier", list(gpu.TIERS))
+def test_tier_is_well_formed(tier, gpus):
+    cases = gpu.TIERS[tier](gpus)
+    assert cases, f"{tier} at {gpus} GPU(s) has no run"
+    ids = [case.id for case in cases]
+    assert len(ids) == len(set(ids)), (
+        f"{tier}: ids repeat: {sorted(i for i in ids if ids.count(i) > 1)}"
+    )
+    for case in cases:
+        where = f"{tier} at {gpus} GPU(s), {case.id}"
+        assert case.lesson in gpu.LESSONS, f"{where}: {case.lesson} has no row in LESSONS"
+        assert case.launcher in LAUNCHERS, f"{where}: launcher {case.launcher!r}"
+        assert case.budget > 0, f"{where}: no time budget"
+        if tier != "--gpu-scale":  # the scale rows skip on a smaller node instead
+            assert case.needs_gpus <= gpus, f"{where}: needs {case.needs_gpus} GPUs"
+        if case.launcher in ("torchrun", "warm", "elastic") and "nccl" in case.args:
+            assert case.nproc <= gpus, f"{where}: {case.nproc} NCCL ranks on {gpus} GPUs"
+    if tier == "--gpu":  # each NCCL lesson at the largest size it allows, and at 2
+        top = min(gpus, gpu.MAX_WORLD)
+        for lesson, spec in gpu.LESSONS.items():
+            sizes = [c.nproc for c in cases if c.lesson == lesson and c.id.startswith("nccl-")]
+            allowed = gpu._sizes(spec, top)
+            if "nccl" not in spec and allowed:
+                expected = sorted({allowed[-1], *([2] if 2 in allowed else [])})
+                assert sorted(sizes) == expected, f"{lesson}: NCCL at {sizes}, not {expected}"
+
+
+def test_scale_rows_state_what_they_need():
+    for case in gpu.scale(gpu.NODE_GPUS):
+        assert case.memory_gib > 0 and case.needs_gpus >= 1 and case.budget > 0, case
+
+
+def tier_commands():
+    """(lesson, args) -> its first case id: the runs with flags beyond --backend and --device."""
+    seen = {}
+    for tier in gpu.TIERS.values():
+        for case in tier(gpu.NODE_GPUS):
+            plain = set(case.args) <= {"--backend", "nccl", "gloo", "--device", "cuda", "cpu"}
+            out = gpu.LESSONS[case.lesson].get("out")
+            if case.launcher not in ("two_jobs", "command") and not (plain and not out):
+                seen.setdefault((case.lesson, case.args), case.id)
+    return seen
+
+
+def test_runs_with_flags_parse():
+    """Each run's flags (and its tmp output path) parse with its lesson's parser: a renamed flag
+    fails here, not on a GPU node (the plain runs' flags are tests/test_flags.py's)."""
+    parsers = {}
+    for (lesson, args), case_id in tier_commands().items():
+        parser = parsers.get(lesson) or parsers.setdefault(lesson, lesson_parser(lesson))
+        out = gpu.LESSONS[lesson].get("out")
+        argv = [*args, *([out, "/tmp/x"] if out else [])]
+        code, output, _ = parse(parser, argv)
+        assert code == 0, f"{case_id}: {lesson} {' '.join(argv)}: {output}"
+
+
+# a flag of an output path with a relative default: `"--dir", default="runs/..."`
+RELATIVE_OUT = re.compile(r'"(--(?:out|dir|checkpoint|ckpt-dir))",\s*default="(?!/)[^"]+"')
+
+
+def test_runs_write_only_to_tmp():
+    """A lesson that writes under the checkout by default (an output flag with a relative default,
+    or training.parse_args's --out) has `out` in its row: the GPU mode gives it a tmp path."""
+    for lesson, spec in gpu.LESSONS.items():
+        text = (ROOT / lesson).read_text()
+        flags = RELATIVE_OUT.findall(text) + (["--out"] if "training.parse_args(" in text else [])
+        if flags and "nccl" not in spec:  # the nccl="..." lessons run in other_cases, paths given
+            assert spec.get("out") == flags[0], (
+                f"{lesson} writes under the checkout by default ({flags[0]}): give its row "
+                f'out="{flags[0]}" in tests/test_gpu.py'
+            )

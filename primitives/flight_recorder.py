@@ -37,6 +37,8 @@ FAULTS = ["skip", "order", "size"]
 def main(args, ctx):
     culprit = ctx.world_size - 1 if args.culprit is None else args.culprit
     ctx.require(culprit < ctx.world_size, f"--culprit must be a rank below {ctx.world_size}")
+    # NCCL's watchdog ends a rank whose collective times out before Python can catch it and dump
+    ctx.require(ctx.backend == "gloo", "this lesson hangs on purpose on Gloo: add --backend gloo")
     jobs = {}
     for fault in FAULTS if args.fault == "all" else [args.fault]:
         timeout = datetime.timedelta(seconds=args.hang_timeout)

@@ -1,17 +1,16 @@
 """Process groups: collectives among a subset of the ranks.
 
 - new_group(ranks): by default EVERY rank calls it, for every group, in the same order, members
-  or not: a process names its groups by counting its new_group calls (and NCCL with device_id
-  splits the world's communicator, a collective call). With use_local_synchronization=True only
-  the members call it (the group is named by a hash of its ranks; new_group's docstring and
-  code, torch 2.13; not with MPI; groups that overlap must still be created in one global order,
-  or it can deadlock). A non-member gets a placeholder: get_rank(group) is -1, and a collective
-  on it does nothing (it warns).
+  or not: a process names its groups by counting its calls (NCCL with device_id splits the
+  world's communicator, a collective). With use_local_synchronization=True only the members call
+  it (named by a hash of its ranks; new_group's docstring, torch 2.13; not with MPI; overlapping
+  groups still in one global order). A non-member gets a placeholder: get_rank(group) is -1, and
+  a collective on it does nothing (it warns). pg_options=: one backend's settings for a group.
 - Two halves each sum their own data; then everyone learns both results through one MAX
   all_reduce over the world (a slot per group, -inf elsewhere). SUM would multiply each slot
   by its group size: every member adds it.
-- new_subgroups(group_size): equal consecutive groups in one call.
-- get_group_rank / get_global_rank: translate between global and group ranks.
+- new_subgroups(group_size): equal consecutive groups in one call; get_group_rank /
+  get_global_rank translate between global and group ranks.
 
     torchrun --nproc_per_node=4 primitives/process_groups.py
     python primitives/process_groups.py --nproc 3
@@ -31,15 +30,16 @@ from launch.dist_setup import int_in, lesson_parser, print0, print_in_order, run
 def main(args, ctx):
     ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: run with --nproc_per_node=2 or more")
     rank, world, n, dev = ctx.rank, ctx.world_size, args.size, ctx.device
-    half = world // 2
-    halves = [list(range(0, half)), list(range(half, world))]  # with 3 ranks: [0] and [1, 2]
-    groups = [dist.new_group(members) for members in halves]  # every rank creates both
-    mine = 0 if rank < half else 1
-    group, members = groups[mine], halves[mine]
+    halves = [list(range(world // 2)), list(range(world // 2, world))]  # 3 ranks: [0], [1, 2]
+    # NCCL's options can run a group on high-priority CUDA streams; Gloo takes none (README)
+    nccl = ctx.backend == dist.Backend("NCCL")  # Backend() parses any case: "NCCL" -> "nccl"
+    opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True) if nccl else None
+    groups = [dist.new_group(members, pg_options=opts) for members in halves]  # every rank: both
+    mine = 0 if rank < world // 2 else 1
+    group, members = check_backend(groups[mine], ctx), halves[mine]
 
-    # Sum within my half only.
     t = 100 * rank + torch.arange(n, dtype=torch.float32, device=dev)
-    dist.all_reduce(t, group=group)
+    dist.all_reduce(t, group=group)  # within my half only
     where = [
         (dist.get_group_rank(group, g), dist.get_global_rank(group, i))
         for i, g in enumerate(members)
@@ -83,6 +83,18 @@ def main(args, ctx):
 
 def sum_of(members, n):
     return sum(100 * r + torch.arange(n, dtype=torch.float32, device="cpu") for r in members)
+
+
+def check_backend(group, ctx):
+    """The group runs the world's backend; on NCCL it took the options (.options of the backend
+    object, ProcessGroupNCCL's binding in torch 2.13's _distributed_c10d.pyi)."""
+    backend = dist.get_backend(group)
+    high = ctx.backend != "nccl" or group._get_backend(ctx.device).options.is_high_priority_stream
+    if backend != ctx.backend or backend not in dist.Backend.backend_list or not high:
+        raise RuntimeError(
+            f"group backend {backend!r} (world: {ctx.backend}), high priority {high}"
+        )
+    return group
 
 
 def check_half(t, where, members, n, mine, group_rank):

@@ -56,7 +56,7 @@ def train(name, tokens, args, ctx):
     ids = my_stages(ctx.rank, p, v, layout)
     models = [cut_stage(copy.deepcopy(reference), i, n) for i in ids]
     stages = [PipelineStage(mod, i, n, ctx.device) for mod, i in zip(models, ids)]
-    # single-stage schedules take one stage, the multi-stage ones a list
+    # one stage, or a list; scale_grads=True (default): summed gradients / m (stage.py, 2.13)
     schedule = cls(stages[0] if v == 1 else stages, n_microbatches=m, loss_fn=loss_fn)
     # The embedding (stage 0) and the head (stage n-1) are one matrix in the whole model: here
     # two copies, on two ranks or (V layout) both on rank 0; each gets the sum of both gradients.

@@ -55,6 +55,7 @@ LONGER = {
     "transformer_basics/benchmark.py": (130, "six ways to build one GPT and the timing loop"),
     "transformer_basics/composition.py": (125, "AC + compile + FSDP2, + DDP, and the other order"),
     "transformer_basics/pipeline_parallel.py": (120, "stages, schedule, tied weights, step loop"),
+    "transformer_basics/pipeline_schedules.py": (95, "six schedules, 2 stages a rank, V's tie"),
     "transformer_basics/tensor_parallel.py": (128, "block and model TP plans, SP, training loop"),
     "transformer_basics/train.py": (104, "a whole training script: data to checkpoint"),
     "transformer_basics/train_2d.py": (124, "train.py with a 2-D mesh, TP + FSDP, 2-mesh clip"),

@@ -120,6 +120,8 @@ LESSONS = {
     "primitives/dtensor_redistribute.py": ANY,
     "primitives/dtensor_loss_parallel.py": ANY,
     "primitives/ring_all_reduce_pipelined.py": P2P,
+    # part 1 (the error at wait()) runs on Gloo only; on NCCL its OK line says "not tried"
+    "primitives/async_errors.py": dict(min_ranks=2, gloo_cuda=True),
     # NCCL's watchdog ends a rank whose collective times out (TORCH_NCCL_ASYNC_ERROR_HANDLING),
     # so the lesson's catch-then-dump path is Gloo's: NODE_OTHER runs it on Gloo on a GPU node.
     "primitives/flight_recorder.py": dict(
@@ -179,6 +181,8 @@ LESSONS = {
     ),
     "transformer_basics/tensor_parallel.py": dict(min_ranks=1, gloo_cuda=True, divides=24),
     "transformer_basics/pipeline_parallel.py": dict(min_ranks=1, gloo_cuda=False),
+    # six schedules in turn, each with a one-process reference: a few seconds more per run
+    "transformer_basics/pipeline_schedules.py": dict(min_ranks=1, gloo_cuda=False, extra=5),
     "transformer_basics/benchmark.py": dict(
         min_ranks=1, gloo_cuda=True, divides=24, args=["--steps", "6", "--warmup", "2"], extra=5
     ),

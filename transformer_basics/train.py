@@ -42,6 +42,7 @@ def main(args, ctx):
     out = Path(args.out)
     ckpt = out / ("checkpoint" if args.parallel == "fsdp" or args.async_save else "checkpoint.pt")
     ctx.require(not args.resume or ckpt.exists(), f"--resume: no checkpoint at {ckpt}")
+    ctx.require(args.save_every or not args.async_save, "--async-save needs --save-every N > 0")
     ctx.require_writable_dir(out)  # makes it, and checks that this rank can write there
     train_tokens, val_tokens = data.load_tokens(args.data, args.block_size, ctx)
     # Rank r reads the r-th disjoint share of every step's windows (like DistributedSampler).

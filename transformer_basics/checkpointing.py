@@ -1,20 +1,22 @@
 """The checkpoints of train.py and train_2d.py: complete, atomic, resumable on another machine.
 
 A checkpoint holds everything a run needs to go on exactly: model, optimizer, scheduler, step
-and RNG state. How it is written depends on what each rank holds:
-  replicated (one process, DDP): every rank has the same model; rank 0 writes it with torch.save;
-  sharded (FSDP, FSDP x TP): each rank writes its own shards with torch.distributed.checkpoint
-    (DCP) into one directory, and reads back the shards it owns; nothing is gathered.
+and RNG state. checkpoint.pt (one process, DDP): rank 0 writes its replica with torch.save.
+checkpoint/ (FSDP, FSDP x TP, train.py --async-save): torch.distributed.checkpoint (DCP), each
+rank its own shards (a replica once) into one directory, read back by the shards each owns.
 Either way it is written under a temporary name, then renamed: a crash never leaves half a
-checkpoint. export_full_model() also gathers the unsharded weights for generate.py.
+checkpoint; Checkpointer can also write it in the background. export_full_model() gathers the
+unsharded weights for generate.py.
 
 Docs: https://pytorch.org/docs/stable/distributed.checkpoint.html
 """
 
 import os
 import shutil
+import time
 import zipfile
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -25,41 +27,112 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._pytree import tree_leaves
 
 from launch.dist_setup import print0
 
 
 def save_checkpoint(path, model, optimizer, scheduler, step, ctx):
-    """A collective: every rank calls it."""
-    extra = {"scheduler": scheduler.state_dict(), "step": step, **rng_states(ctx.device)}
-    if isinstance(model, FSDPModule):  # sharded: every rank writes its own shards
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        tmp = f"{path}.tmp"
-        if ctx.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        dist.barrier()
-        dcp.save({"model": model_sd, "optimizer": optim_sd, **extra}, checkpoint_id=tmp)
-        dist.barrier()  # every shard is on disk before the directory is renamed
-        if ctx.rank == 0:
-            if os.path.exists(path):
-                os.replace(path, f"{path}.old")
-            os.replace(tmp, path)
-            shutil.rmtree(f"{path}.old", ignore_errors=True)
+    """A collective: every rank calls it. path ending in .pt: torch.save; else a DCP directory."""
+    state = checkpoint_state(path, model, optimizer, scheduler, step, ctx)
+    if Path(path).suffix != ".pt":  # DCP: every rank writes its own shards (replicas once)
+        tmp = fresh_tmp(path, ctx)
+        dcp.save(state, checkpoint_id=tmp)
+        publish(tmp, path, ctx)
     elif ctx.rank == 0:  # replicated: rank 0's copy is everyone's
-        raw = model.module if isinstance(model, DDP) else model
-        state = {"model": raw.state_dict(), "optimizer": optimizer.state_dict(), **extra}
         torch.save(state, f"{path}.tmp")
         os.replace(f"{path}.tmp", path)
     if dist.is_initialized():
         dist.barrier()  # nobody reads or rewrites the checkpoint before it is complete
 
 
+def checkpoint_state(path, model, optimizer, scheduler, step, ctx):
+    extra = {"scheduler": scheduler.state_dict(), "step": step, **rng_states(ctx.device)}
+    if Path(path).suffix != ".pt":  # DCP's form: keyed by parameter name, for any wrapper
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+    else:
+        model_sd = (model.module if isinstance(model, DDP) else model).state_dict()
+        optim_sd = optimizer.state_dict()
+    return {"model": model_sd, "optimizer": optim_sd, **extra}
+
+
+def fresh_tmp(path, ctx):
+    """path.tmp, emptied by rank 0 before any rank writes there (a collective)."""
+    tmp = f"{path}.tmp"
+    if ctx.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
+    return tmp
+
+
+def publish(tmp, path, ctx):
+    """Rename the complete directory tmp to path (a collective): until then path is the previous
+    checkpoint, whole, and a crash before this line loses one save, never the checkpoint."""
+    if dist.is_initialized():
+        dist.barrier()  # every shard is on disk before the directory is renamed
+    if ctx.rank == 0:
+        if os.path.exists(path):
+            os.replace(path, f"{path}.old")
+        os.replace(tmp, path)
+        shutil.rmtree(f"{path}.old", ignore_errors=True)
+
+
+class Checkpointer:
+    """save(step) checkpoints to path (a collective: every rank calls it). asynchronous: DCP's
+    async_save (torch 2.13: torch/distributed/checkpoint/state_dict_saver.py) copies the state
+    to CPU memory (its DefaultStager: _state_dict_stager.py) and returns; a background thread
+    writes the copy to path.tmp while training goes on. The next save, and the last, first wait
+    for that write, and only then is path.tmp renamed to path. save(step, last=True), at the
+    end, is synchronous: nothing is left to train while it writes. .stalls: how long each save
+    stopped training, and the bytes it staged."""
+
+    def __init__(self, path, model, optimizer, scheduler, ctx, asynchronous=False):
+        self.path, self.ctx, self.asynchronous = path, ctx, asynchronous
+        self.objects = (model, optimizer, scheduler)
+        self.pending, self.stalls = None, []  # async_save's Future; (step, kind, s, bytes)
+        # The background write runs collectives of its own (it gathers the ranks' plans): they
+        # get a group of their own, never interleaved with the training loop's on the default
+        # one, and a CPU (Gloo) one, as async_save asserts (state_dict_saver.py).
+        mine = asynchronous and dist.is_initialized()
+        self.group = dist.new_group(backend="gloo") if mine else None
+
+    def __call__(self, step, last=False):
+        start = time.perf_counter()
+        if self.pending is not None:  # one write in flight at most: wait for the previous one,
+            self.pending.result()  # until this rank's share of it is on disk,
+            self.pending = None
+            publish(f"{self.path}.tmp", self.path, self.ctx)  # and only then move path to it
+            self.stalls.append((step, "wait", time.perf_counter() - start, 0))
+            start = time.perf_counter()
+        if self.asynchronous and not last:
+            state = checkpoint_state(self.path, *self.objects, step, self.ctx)
+            tmp = fresh_tmp(self.path, self.ctx)
+            # returns once the state is staged: training may change the weights from here on
+            self.pending = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
+            self.stalls.append((step, "async", time.perf_counter() - start, staged_bytes(state)))
+        else:
+            save_checkpoint(self.path, *self.objects, step, self.ctx)
+            self.stalls.append((step, "sync", time.perf_counter() - start, 0))
+
+
+def staged_bytes(state):
+    """The CPU copy async_save stages: one copy of each tensor storage in the state (a DTensor:
+    of this rank's shard), as _state_dict_stager.py copies them."""
+    storages = {}
+    for t in tree_leaves(state):
+        if isinstance(t, torch.Tensor):
+            local = t.to_local() if isinstance(t, DTensor) else t
+            storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
 def load_checkpoint(path, model, optimizer, scheduler, ctx):
     """Restore everything save_checkpoint wrote; return the step to go on from."""
     check_fits(path, model, ctx)
-    if isinstance(model, FSDPModule):
+    if os.path.isdir(path):  # DCP's directory
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {
             "model": model_sd,
@@ -102,7 +175,7 @@ def check_fits(path, model, ctx):
     --n-layer, --block-size...), ends the run on every rank with one line naming the file and the
     first difference. (--n-head changes no shape: a checkpoint cannot tell it.)"""
     try:
-        if isinstance(model, FSDPModule):
+        if os.path.isdir(path):
             meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
             saved = {
                 k.removeprefix("model."): tuple(m.size)

@@ -4,18 +4,18 @@
     torchrun --nproc_per_node=2 transformer_basics/train.py --parallel fsdp
     python transformer_basics/train.py --nproc 1 --parallel none
     python transformer_basics/train.py --resume --steps 300   # go on from the checkpoint in --out
+    python transformer_basics/train.py --async-save --save-every 2  # checkpoints in the background
     torchrun --nproc_per_node=8 transformer_basics/train.py --gpt2-small --data input.txt
 
 main() reads top to bottom as a training script: the data each rank reads, the model, the
 parallelism (the only lines train_2d.py changes), the optimizer, resume, the loop, the
-checkpoint. The loop (training.py: gradient accumulation, clipping, bf16 autocast, eval)
-and the checkpoints (checkpointing.py: torch.save for none/ddp, torch.distributed.checkpoint
-for fsdp, atomic, with the RNG state) are shared with train_2d.py.
+checkpoint. The loop (training.py: accumulation, clipping, bf16 autocast, eval) and the
+checkpoints (checkpointing.py: torch.save for none/ddp, torch.distributed.checkpoint for fsdp
+and --async-save, atomic, with the RNG state) are shared with train_2d.py.
 
 run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
 
-Docs: https://pytorch.org/docs/stable/notes/ddp.html
-      https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
+Docs: https://pytorch.org/docs/stable/notes/ddp.html, .../distributed.fsdp.fully_shard.html
 """
 
 from pathlib import Path
@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
 import training
-from checkpointing import export_full_model, load_checkpoint, save_checkpoint
+from checkpointing import Checkpointer, export_full_model, load_checkpoint
 from launch.dist_setup import lesson_parser, print0, run
 from model import GPT, config_from_args
 
@@ -40,8 +40,9 @@ def main(args, ctx):
     )
     training.check_args(args, ctx)
     out = Path(args.out)
-    ckpt = out / ("checkpoint" if args.parallel == "fsdp" else "checkpoint.pt")
+    ckpt = out / ("checkpoint" if args.parallel == "fsdp" or args.async_save else "checkpoint.pt")
     ctx.require(not args.resume or ckpt.exists(), f"--resume: no checkpoint at {ckpt}")
+    ctx.require(args.save_every or not args.async_save, "--async-save needs --save-every N > 0")
     ctx.require_writable_dir(out)  # makes it, and checks that this rank can write there
     train_tokens, val_tokens = data.load_tokens(args.data, args.block_size, ctx)
     # Rank r reads the r-th disjoint share of every step's windows (like DistributedSampler).
@@ -82,16 +83,16 @@ def main(args, ctx):
         f"rank(s){resumed}"
     )
 
-    def save(step):  # a collective: every rank calls it
-        save_checkpoint(ckpt, model, optimizer, scheduler, step, ctx)
-
+    # --async-save: a save returns once the state is copied to CPU, written behind the training
+    save = Checkpointer(ckpt, model, optimizer, scheduler, ctx, asynchronous=args.async_save)
     result = training.fit(model, optimizer, scheduler, train_data, val_data, start, args, ctx, save)
-    save(result.stop)
+    save(result.stop, last=True)  # waits for the write in flight; this one is synchronous
     export_full_model(model, cfg, out / "model.pt", ctx.rank)  # a collective: every rank
 
     if args.parallel == "ddp":
         check_replicas_agree(model)
     training.print_summary(result, f"{args.parallel} x{ctx.world_size}", flops_per_token, ctx)
+    print_stalls(save.stalls)
     training.print_sample(out / "model.pt", args, ctx)
     training.check_loss_fell(result)
     print0(
@@ -114,6 +115,19 @@ def check_replicas_agree(model):
         raise RuntimeError("DDP replicas diverged: parameters differ between ranks")
 
 
+def print_stalls(stalls):
+    """What the saves cost the loop: the time each stopped it, and the CPU copy each staged."""
+    ms = {k: [s * 1e3 for _, kind, s, _ in stalls if kind == k] for k in ("sync", "async", "wait")}
+    if ms["async"]:
+        steps = ", ".join(str(step) for step, kind, _, _ in stalls if kind == "async")
+        print0(
+            f"checkpoint stall: synchronous save {max(ms['sync']):.1f} ms, asynchronous "
+            f"{sum(ms['async']) / len(ms['async']):.1f} ms (mean of steps {steps}) + "
+            f"{sum(ms['wait']):.1f} ms in all waiting for a write in flight; staged copy "
+            f"{max(n for *_, n in stalls) / 2**20:.2f} MiB of CPU memory per rank until written"
+        )
+
+
 def parse_args(argv=None):
     parser = lesson_parser(__doc__)
     parser.add_argument("--parallel", choices=["none", "ddp", "fsdp"], default="ddp")
@@ -121,6 +135,11 @@ def parse_args(argv=None):
         "--activation-checkpointing",
         action="store_true",
         help="recompute each block's activations in backward: less memory, one more forward",
+    )
+    parser.add_argument(
+        "--async-save",
+        action="store_true",
+        help="write checkpoints (DCP) in a background thread, training goes on (the last: not)",
     )
     return training.parse_args(parser, argv, out="runs/gpt")
 

@@ -4,8 +4,9 @@ A checkpoint holds everything a run needs to go on exactly: model, optimizer, sc
 and RNG state. checkpoint.pt (one process, DDP): rank 0 writes its replica with torch.save.
 checkpoint/ (FSDP, FSDP x TP, train.py --async-save): torch.distributed.checkpoint (DCP), each
 rank its own shards (a replica once) into one directory, read back by the shards each owns.
-Either way it is written under a temporary name, then renamed: a crash never leaves half a
-checkpoint; Checkpointer can also write it in the background. export_full_model() gathers the
+Either way it is written under a temporary name, then renamed (checkpoint/ is a symbolic link
+switched by a rename): a crash never leaves half a checkpoint; Checkpointer can also write it in
+the background. export_full_model() gathers the
 unsharded weights for generate.py.
 
 Docs: https://pytorch.org/docs/stable/distributed.checkpoint.html
@@ -69,25 +70,32 @@ def fresh_tmp(path, ctx):
 
 
 def publish(tmp, path, ctx):
-    """Rename the complete directory tmp to path (a collective): until then path is the previous
-    checkpoint, whole, and a crash before this line loses one save, never the checkpoint."""
+    """Make the complete directory tmp the checkpoint (a collective): path is a symbolic link to
+    path.N, switched by one rename (atomic in POSIX), so path always names a whole checkpoint and
+    a crash loses at most one save. (A directory cannot be replaced by a rename in one step.)"""
     if dist.is_initialized():
-        dist.barrier()  # every shard is on disk before the directory is renamed
+        dist.barrier()  # every shard is on disk before the checkpoint moves to it
     if ctx.rank == 0:
-        if os.path.exists(path):
-            os.replace(path, f"{path}.old")
-        os.replace(tmp, path)
-        shutil.rmtree(f"{path}.old", ignore_errors=True)
+        old, link = os.path.realpath(path) if os.path.islink(path) else None, f"{path}.link"
+        new = f"{path}.{int(old.rsplit('.', 1)[1]) + 1 if old else 0}"
+        shutil.rmtree(new, ignore_errors=True)  # left by a crash before a switch, as the link
+        if os.path.lexists(link):
+            os.remove(link)
+        os.replace(tmp, new)
+        os.symlink(os.path.basename(new), link)
+        if os.path.isdir(path) and not old:  # a real directory (a copy, an older run)
+            shutil.rmtree(path)
+        os.replace(link, path)  # the switch
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 class Checkpointer:
-    """save(step) checkpoints to path (a collective: every rank calls it). asynchronous: DCP's
-    async_save (torch 2.13: torch/distributed/checkpoint/state_dict_saver.py) copies the state
-    to CPU memory (its DefaultStager: _state_dict_stager.py) and returns; a background thread
-    writes the copy to path.tmp while training goes on. The next save, and the last, first wait
-    for that write, and only then is path.tmp renamed to path. save(step, last=True), at the
-    end, is synchronous: nothing is left to train while it writes. .stalls: how long each save
-    stopped training, and the bytes it staged."""
+    """save(step) checkpoints to path (a collective). asynchronous: DCP's async_save (torch 2.13:
+    checkpoint/state_dict_saver.py) copies the state to CPU memory (_state_dict_stager.py) and
+    returns; a thread writes the copy to path.tmp while training goes on. The next save, and the
+    last (synchronous: nothing is left to train), first wait for it; only then is path moved to
+    path.tmp's directory. .stalls: how long each save stopped training, the bytes it staged."""
 
     def __init__(self, path, model, optimizer, scheduler, ctx, asynchronous=False):
         self.path, self.ctx, self.asynchronous = path, ctx, asynchronous
@@ -169,11 +177,9 @@ def export_full_model(model, cfg, path, rank):
 
 
 def check_fits(path, model, ctx):
-    """Every rank reads the checkpoint's list of tensors (DCP's metadata, or the torch.save file
-    memory-mapped: nothing is loaded yet) and compares the model's names and shapes with this
-    model's. A file that is not a checkpoint, or one of another model (another --n-embd,
-    --n-layer, --block-size...), ends the run on every rank with one line naming the file and the
-    first difference. (--n-head changes no shape: a checkpoint cannot tell it.)"""
+    """Every rank compares the checkpoint's tensor names and shapes (DCP's metadata, or the file
+    memory-mapped) with this model's: not a checkpoint, or one of another model (--n-embd,
+    --n-layer...; --n-head changes no shape), ends the run with one line naming the file."""
     try:
         if os.path.isdir(path):
             meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
@@ -225,17 +231,12 @@ def set_rng_states(states, device):
     mine = f"rng_{device.type}"
     if mine in states:
         torch.get_device_module(device).set_rng_state(states[mine], device)
-    unused = sorted(k for k in states if k.startswith("rng_") and k != mine)
+    unused = ", ".join(sorted(k for k in states if k.startswith("rng_") and k != mine))
+    gap = f"{unused} in the checkpoint not restored (this run is on {device.type})"
+    if not unused and device.type != "cpu" and mine not in states:
+        gap = unused = f"the checkpoint has no {mine} (written on the CPU?)"
     if unused:
-        print0(
-            f"resume: {', '.join(unused)} in the checkpoint not restored (this run is on "
-            f"{device.type}); dropout masks differ from the uninterrupted run's"
-        )
-    elif device.type != "cpu" and mine not in states:
-        print0(
-            f"resume: the checkpoint has no {mine} (written on the CPU?); the {device.type} "
-            "generator keeps this run's seed, dropout masks differ from the uninterrupted run's"
-        )
+        print0(f"resume: {gap}; dropout masks differ from the uninterrupted run's")
 
 
 def saved_rng_slots(path):

@@ -8,13 +8,11 @@ it sends its batch to stage 1 on worker 1, whose output (an RRef) goes to stage 
 worker; the loss, the backward and the optimizer step start from rank 0. No process group: RPC
 needs none (run(..., init_process_group=False)).
 
-RPC is in maintenance mode (the rpc docs page, torch 2.9 onwards: "APIs in the RPC package are
-stable and in maintenance mode"), and on CUDA RRefs, distributed autograd and the distributed
-optimizer are unsupported (same page), so this lesson keeps its tensors on the CPU everywhere.
-Pipelines today use torch.distributed.pipelining (transformer_basics/pipeline_parallel.py); a
-trainer's weights reach its inference workers by collectives (primitives/weight_sync.py).
-RPC unpickles what peers send, so any peer can run code in your process: listen on loopback or
-on a network only trusted peers reach.
+RPC is in maintenance mode (the rpc docs page, torch 2.9 onwards), and on CUDA RRefs, distributed
+autograd and the distributed optimizer are unsupported (same page): tensors stay on the CPU here.
+Pipelines today use torch.distributed.pipelining (transformer_basics/pipeline_parallel.py); weights
+reach inference workers by collectives (primitives/weight_sync.py). RPC unpickles what peers
+send (any peer can run code in your process): listen only where trusted peers reach.
 
     torchrun --nproc_per_node=3 primitives/rpc_pipeline.py
     python primitives/rpc_pipeline.py --nproc 2      # both stages on worker 1
@@ -40,8 +38,12 @@ class SGD(torch.optim.SGD):
 class Stage(nn.Module):
     def __init__(self, dim_in, dim_out, seed):
         super().__init__()
-        torch.manual_seed(seed)  # the same initial weights as the one-process check
         self.layer = nn.Linear(dim_in, dim_out, device="cpu")
+        # the one-process check's weights; not torch.manual_seed: RPC threads build stages at once
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.layer.parameters():
+                p.uniform_(-(dim_in**-0.5), dim_in**-0.5, generator=g)  # nn.Linear's range
 
     def forward(self, x_rref):
         return torch.tanh(self.layer(x_rref.to_here()))

@@ -17,6 +17,7 @@ import sys
 import threading
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from harness import ROOT, assert_ok, mutant, run_lesson
@@ -157,10 +158,14 @@ def staged_checkpoint_equals_synchronous(module, tmp_path, monkeypatch):
     return all(same(u, v) for u, v in zip(a, b))
 
 
+# dcp.save in this one process, no process group: DCP says so in a UserWarning, as it should
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_async_checkpoint_is_the_state_of_its_step(tmp_path, monkeypatch):
     assert staged_checkpoint_equals_synchronous(checkpointing, tmp_path, monkeypatch)
 
 
+# dcp.save in this one process, no process group: DCP says so in a UserWarning, as it should
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_async_checkpoint_check_fails_without_a_staged_copy(tmp_path, monkeypatch):
     copy = mutant(tmp_path, TRAIN, *NO_STAGING, file="checkpointing.py")
     spec = importlib.util.spec_from_file_location(

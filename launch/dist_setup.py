@@ -50,13 +50,8 @@ from launch.devices import UsageError, choose_device, cores, default_nproc
 from launch.printing import _write, print0, print_in_order, print_rank  # noqa: F401
 
 # What a lesson may import that costs seconds: the forkserver imports those the lesson did (run).
-_PRELOAD = [
-    "torch",
-    "numpy",
-    "torch.distributed.tensor",
-    "torch.distributed.fsdp",
-    "torch.distributed.checkpoint",
-    "torch.distributed.pipelining",
+_PRELOAD = ["torch", "numpy"] + [
+    f"torch.distributed.{name}" for name in ("tensor", "fsdp", "checkpoint", "pipelining")
 ]
 
 

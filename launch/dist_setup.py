@@ -49,7 +49,9 @@ from launch.devices import UsageError, choose_device, cores, default_nproc
 # The lessons import these from here (F401: imported, not used in this file).
 from launch.printing import _write, print0, print_in_order, print_rank  # noqa: F401
 
-# What a lesson may import that costs seconds: the forkserver imports those the lesson did (run).
+# What a lesson may import that costs seconds: the forkserver imports those the lesson did (run),
+# and those named in DIST_PRELOAD (comma-separated): torch._dynamo, say, which every optimizer,
+# DDP and DeviceMesh import in each rank (4 s of CPU per rank on a small machine, torch 2.13).
 _PRELOAD = ["torch", "numpy"] + [
     f"torch.distributed.{name}" for name in ("tensor", "fsdp", "checkpoint", "pipelining")
 ]
@@ -229,7 +231,8 @@ def run(main, args, init_process_group=True):
     # never happens (CPython 3.11 forkserver.py asks get_preparation_data for 'main_path', a key
     # it never sets), so each rank would import the lesson, and torch, by itself.
     # https://docs.python.org/3/library/multiprocessing.html#contexts-and-start-methods
-    multiprocessing.set_forkserver_preload([m for m in _PRELOAD if m in sys.modules])
+    extra = [m for m in os.environ.get("DIST_PRELOAD", "").split(",") if m]
+    multiprocessing.set_forkserver_preload([m for m in _PRELOAD if m in sys.modules] + extra)
     try:
         mp.start_processes(
             _spawned,

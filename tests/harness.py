@@ -192,6 +192,10 @@ def run_lesson(lesson, *args, nproc=2, launcher="torchrun", timeout=120, env=Non
         command = torchrun_command(lesson, nproc, args)
     elif launcher == "python":
         command = [sys.executable, str(ROOT / lesson), "--nproc", str(nproc), *args]
+        # Every lesson outside primitives/ and launch/ builds an optimizer, DDP or a mesh, each of
+        # which imports torch._dynamo in every rank (measured): the forkserver imports it once.
+        if Path(lesson).parent.name not in ("primitives", "launch"):
+            env = {"DIST_PRELOAD": "torch._dynamo", **(env or {})}
     else:
         raise ValueError(f"unknown launcher {launcher!r}")
     return run_command(command, timeout=timeout, env=env)

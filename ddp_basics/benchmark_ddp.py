@@ -10,7 +10,7 @@ Speed-up is against one process on the whole global batch; scaling efficiency = 
     torchrun --nproc_per_node=2 ddp_basics/benchmark_ddp.py
     torchrun --nproc_per_node=8 ddp_basics/benchmark_ddp.py --width 4096 --depth 8 --batch 8192
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/notes/ddp.html
 """

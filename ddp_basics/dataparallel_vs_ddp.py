@@ -16,7 +16,7 @@ GPUs (a CPU-only machine, for example) DataParallel has nothing to split over: i
     torchrun --nproc_per_node=2 ddp_basics/dataparallel_vs_ddp.py
     python ddp_basics/dataparallel_vs_ddp.py --nproc 2 --width 1024 --batch 4096
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/notes/cuda.html#cuda-nn-ddp-instead
 """

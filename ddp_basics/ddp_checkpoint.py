@@ -17,7 +17,7 @@ in launch/elastic.py).
         --max-restarts=1 ddp_basics/ddp_checkpoint.py --out /tmp/ddp_ckpt --save-every 10 \\
         --fail-at-step 25
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/tutorials/intermediate/ddp_tutorial.html#save-and-load-checkpoints
       https://pytorch.org/docs/stable/elastic/run.html (fault-tolerant torchrun)

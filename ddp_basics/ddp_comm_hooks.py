@@ -14,7 +14,7 @@ torch.distributed.all_reduce (the hooks call it), and checks the model still lea
     torchrun --nproc_per_node=3 ddp_basics/ddp_comm_hooks.py
     python ddp_basics/ddp_comm_hooks.py --nproc 2 --width 256
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/ddp_comm_hooks.html
 """

@@ -9,7 +9,7 @@ over the whole global batch. A comm hook that counts its calls shows the communi
     torchrun --nproc_per_node=3 ddp_basics/ddp_grad_accumulation.py
     python ddp_basics/ddp_grad_accumulation.py --nproc 2 --accum 8
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs (DistributedDataParallel.no_sync):
   https://pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html

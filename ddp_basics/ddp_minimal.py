@@ -14,7 +14,7 @@ a timeout of a few seconds).
     torchrun --nproc_per_node=2 ddp_basics/ddp_minimal.py
     python ddp_basics/ddp_minimal.py --nproc 3 --epochs 10 --show-eval-hang
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/tutorials/intermediate/ddp_tutorial.html
       https://pytorch.org/docs/stable/data.html#torch.utils.data.distributed.DistributedSampler

@@ -15,7 +15,7 @@ mixed precision adds.
     torchrun --nproc_per_node=3 ddp_basics/ddp_mixed_precision.py
     python ddp_basics/ddp_mixed_precision.py --nproc 2 --epochs 6
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/amp.html
 """

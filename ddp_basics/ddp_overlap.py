@@ -16,7 +16,7 @@ are CUDA events, and a comm future's callback runs on a stream that waits for th
     torchrun --nproc_per_node=2 ddp_basics/ddp_overlap.py
     python ddp_basics/ddp_overlap.py --nproc 3 --width 1024 --small-mb 4
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/notes/ddp.html#internal-design
       https://pytorch.org/docs/stable/ddp_comm_hooks.html

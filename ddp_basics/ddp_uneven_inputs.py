@@ -9,7 +9,7 @@ with zero gradients until every rank is done (gradients are divided by the initi
     torchrun --nproc_per_node=3 ddp_basics/ddp_uneven_inputs.py
     python ddp_basics/ddp_uneven_inputs.py --nproc 2 --hang-timeout 2
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/tutorials/advanced/generic_join.html
 """

@@ -11,7 +11,7 @@ and raises on every rank (plain_ddp_raises, below the divider, shows it). The fi
     torchrun --nproc_per_node=3 ddp_basics/ddp_unused_parameters.py
     python ddp_basics/ddp_unused_parameters.py --nproc 2
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html
 """

@@ -10,7 +10,7 @@ then divide. Then gather_object brings every prediction to rank 0, in data set o
     torchrun --nproc_per_node=3 ddp_basics/distributed_eval.py
     python ddp_basics/distributed_eval.py --nproc 4 --samples 1000 --batch 64
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/data.html#torch.utils.data.distributed.DistributedSampler
       https://pytorch.org/docs/stable/distributed.html#torch.distributed.gather_object

@@ -13,7 +13,7 @@ all_reduce).
     torchrun --nproc_per_node=3 ddp_basics/manual_data_parallel.py
     python ddp_basics/manual_data_parallel.py --nproc 2 --op avg
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_reduce
 """

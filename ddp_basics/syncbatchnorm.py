@@ -10,7 +10,7 @@ computes the same statistics by hand: one all_reduce of [sum, sum of squares, co
     torchrun --nproc_per_node=3 ddp_basics/syncbatchnorm.py
     python ddp_basics/syncbatchnorm.py --nproc 2 --channels 8
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/generated/torch.nn.SyncBatchNorm.html
 """

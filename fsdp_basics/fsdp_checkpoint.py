@@ -11,7 +11,7 @@ exports the full state dict, which a plain model loads with torch.load(weights_o
     torchrun --nproc_per_node=4 fsdp_basics/fsdp_checkpoint.py --stop-at 4    # save, stop
     torchrun --nproc_per_node=2 fsdp_basics/fsdp_checkpoint.py --resume       # reshard, go on
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.checkpoint.html
 """

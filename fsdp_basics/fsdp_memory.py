@@ -12,7 +12,7 @@ torch.cuda.max_memory_allocated() adds activations and buffers; storages work on
     torchrun --nproc_per_node=4 fsdp_basics/fsdp_memory.py
     python fsdp_basics/fsdp_memory.py --nproc 2 --width 1024 --depth 8
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
       https://arxiv.org/abs/1910.02054 (ZeRO: the memory formulas)

@@ -13,7 +13,7 @@ bytes the plan predicted. Then what FSDP does not shard: activations, per token.
     torchrun --nproc_per_node=4 fsdp_basics/fsdp_memory_plan.py
     python fsdp_basics/fsdp_memory_plan.py --nproc 3 --width 8192 --depth 48 --tokens 8192
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
       https://pytorch.org/docs/stable/meta.html

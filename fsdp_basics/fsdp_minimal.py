@@ -12,7 +12,7 @@ measures both, and checks that FSDP trains like one process on the whole batch (
     torchrun --nproc_per_node=3 fsdp_basics/fsdp_minimal.py
     python fsdp_basics/fsdp_minimal.py --nproc 4 --width 256 --depth 4 --steps 50
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
       https://pytorch.org/docs/stable/distributed.tensor.html (DTensor)

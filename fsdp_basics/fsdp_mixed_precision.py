@@ -11,7 +11,7 @@ dtype where it occurs and checks that the loss stays close to fp32 training in o
     torchrun --nproc_per_node=4 fsdp_basics/fsdp_mixed_precision.py
     python fsdp_basics/fsdp_mixed_precision.py --nproc 2 --steps 200
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
       (torch.distributed.fsdp.MixedPrecisionPolicy)

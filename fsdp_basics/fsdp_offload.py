@@ -10,7 +10,7 @@ for its all_gather. On CPU it changes nothing.
     torchrun --nproc_per_node=4 fsdp_basics/fsdp_offload.py
     python fsdp_basics/fsdp_offload.py --nproc 2 --width 1024 --depth 8
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html (CPUOffloadPolicy)
       https://pytorch.org/docs/stable/meta.html

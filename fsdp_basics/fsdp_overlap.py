@@ -14,7 +14,7 @@ own streams: prof.export_chrome_trace(path) shows both (profiler docs).
     torchrun --nproc_per_node=2 fsdp_basics/fsdp_overlap.py
     python fsdp_basics/fsdp_overlap.py --nproc 3 --width 512 --depth 6
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
       https://pytorch.org/docs/stable/profiler.html

@@ -12,7 +12,7 @@ mistakes: a 2-D mesh where a 1-D one was meant, and the 1-D mesh["shard"] where 
     torchrun --nproc_per_node=4 fsdp_basics/hsdp.py
     python fsdp_basics/hsdp.py --nproc 2 --replicas 2
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html (the mesh argument: HSDP)
       https://pytorch.org/docs/stable/distributed.html#torch.distributed.device_mesh.init_device_mesh

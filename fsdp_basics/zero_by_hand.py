@@ -10,7 +10,7 @@ all_gather per layer in forward and in backward: 1.5x the bytes DDP sends.)
     torchrun --nproc_per_node=3 fsdp_basics/zero_by_hand.py
     python fsdp_basics/zero_by_hand.py --nproc 4 --width 256 --depth 4
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://arxiv.org/abs/1910.02054 (ZeRO)
       https://pytorch.org/docs/stable/distributed.html (all_gather_single, reduce_scatter_single)

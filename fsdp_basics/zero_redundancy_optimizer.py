@@ -11,7 +11,7 @@ each rank keeps the part it owns now.
     torchrun --nproc_per_node=2 fsdp_basics/zero_redundancy_optimizer.py --stop-at 5
     torchrun --nproc_per_node=3 fsdp_basics/zero_redundancy_optimizer.py --resume
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.optim.html (ZeroRedundancyOptimizer; experimental)
       https://pytorch.org/tutorials/recipes/zero_redundancy_optimizer.html

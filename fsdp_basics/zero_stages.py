@@ -10,7 +10,7 @@ too). Both match one process's Adam; the bytes each rank holds are measured for 
     torchrun --nproc_per_node=3 fsdp_basics/zero_stages.py
     python fsdp_basics/zero_stages.py --nproc 4 --width 256 --depth 4
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://arxiv.org/abs/1910.02054 (ZeRO: stages P_os, P_os+g, P_os+g+p)
       https://pytorch.org/docs/stable/distributed.html (all_reduce, reduce_scatter_single, ...)

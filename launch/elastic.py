@@ -12,7 +12,7 @@ adds an all_reduced sum of integers (exact): the result must equal a serial comp
 The variable: torchrun's agent (torch 2.5+) keeps the store the workers meet at across restarts;
 restarted workers read stale addresses from it ("Gloo connectFullMesh failed", pytorch#135712).
 With it set, rank 0 serves a fresh store each attempt; without it this lesson refuses to start.
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 Docs: https://pytorch.org/docs/stable/elastic/run.html#elastic-min-1-max-4-tolerates-up-to-3-membership-changes-or-failures
 """
 

@@ -9,7 +9,7 @@ falls back to the LOCAL_RANK variable, which is all torchrun sets:
     python -m torch.distributed.launch --nproc_per_node=2 --use-env launch/legacy_launch.py
     torchrun --nproc_per_node=2 launch/legacy_launch.py        # the one-line migration
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#launch-utility
 """

@@ -10,7 +10,7 @@ rank agrees on WORLD_SIZE, MASTER_ADDR:MASTER_PORT and the run id.
     bash launch/multinode_local.sh static launch/print_env.py   # 2 "nodes" x 2 ranks
     python launch/print_env.py --nproc 2                        # spawned: no torchrun variables
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/elastic/run.html#environment-variables
 """

@@ -11,7 +11,7 @@ Before: rank r holds 100*r + i.  After: every rank holds all of them, in two for
     torchrun --nproc_per_node=4 primitives/all_gather.py
     python primitives/all_gather.py --nproc 3
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_gather
       https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_gather_into_tensor

@@ -12,7 +12,7 @@ element by element. Each ReduceOp below is checked against numpy on the full dat
     torchrun --nproc_per_node=4 primitives/all_reduce.py
     python primitives/all_reduce.py --nproc 3
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_reduce
       https://pytorch.org/docs/stable/distributed.html#torch.distributed.ReduceOp

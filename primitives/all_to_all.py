@@ -14,7 +14,7 @@ parallelism.
     torchrun --nproc_per_node=4 primitives/all_to_all.py
     python primitives/all_to_all.py --nproc 3
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_to_all
       https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_to_all_single

@@ -13,7 +13,7 @@ wait. We time both orders; the saving depends on cores, message size and the bac
     torchrun --nproc_per_node=2 primitives/async_collectives.py
     python primitives/async_collectives.py --nproc 2 --size 50000000 --compute 2048   # on GPUs
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#synchronous-and-asynchronous-collective-operations
       https://pytorch.org/docs/stable/futures.html

@@ -14,7 +14,7 @@
     torchrun --nproc_per_node=2 primitives/async_errors.py
     python primitives/async_errors.py --nproc 3 --in-flight 1,10,100,1000 --size 65536
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#synchronous-and-asynchronous-collective-operations
 """

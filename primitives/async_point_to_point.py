@@ -22,7 +22,7 @@ progresses each isend/irecv on its own and takes any order.
     torchrun --nproc_per_node=3 primitives/async_point_to_point.py
     python primitives/async_point_to_point.py --nproc 2 --size 1000000 --compute 1024
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.isend
 """

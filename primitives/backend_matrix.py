@@ -18,7 +18,7 @@ and start new children from the next call.
     torchrun --nproc_per_node=2 primitives/backend_matrix.py
     python primitives/backend_matrix.py --nproc 4 --op-timeout 10
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 Docs: https://pytorch.org/docs/stable/distributed.html#backends
 """
 

@@ -9,7 +9,7 @@ Also: monitored_barrier (Gloo only), which names the ranks that did not arrive i
     torchrun --nproc_per_node=4 primitives/barrier.py
     python primitives/barrier.py --nproc 3 --delay 1
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.barrier
       https://pytorch.org/docs/stable/distributed.html#torch.distributed.monitored_barrier

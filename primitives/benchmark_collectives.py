@@ -11,7 +11,7 @@ peak. Memory per rank: twice the message plus ~0.3 GB for the check (8G fits an 
     torchrun --nproc_per_node=8 primitives/benchmark_collectives.py --min-bytes 8 --max-bytes 8G \\
         --factor 2 --iters 20 --dtype bfloat16 --json busbw.json --csv busbw.csv
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 Docs: https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md
 """
 

@@ -7,7 +7,7 @@ it is overwritten in place (nothing is allocated for you).
     torchrun --nproc_per_node=4 primitives/broadcast.py
     python primitives/broadcast.py --nproc 3 --src 2
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.broadcast
 """

@@ -9,7 +9,7 @@ rank 0 is both sources); each source draws its shape from its own random generat
     torchrun --nproc_per_node=3 primitives/broadcast_unknown_shape.py
     python primitives/broadcast_unknown_shape.py --nproc 2 --seed 7
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.broadcast
 """

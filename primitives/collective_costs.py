@@ -13,7 +13,7 @@ NCCL_DEBUG=INFO. The meter is below the divider (Meter, socket_bytes).
     torchrun --nproc_per_node=3 primitives/collective_costs.py
     python primitives/collective_costs.py --nproc 4 --size 4000000
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#collective-functions
       https://man7.org/linux/man-pages/man5/proc_pid_io.5.html (wchar)

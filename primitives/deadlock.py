@@ -9,7 +9,7 @@ batch_isend_irecv (the one to copy on GPUs: see each fix).
     torchrun --nproc_per_node=2 primitives/deadlock.py
     python primitives/deadlock.py --nproc 3 --demo-timeout 5
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#point-to-point-communication
       https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/usage/p2p.html

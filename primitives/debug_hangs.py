@@ -11,7 +11,7 @@ group with a short --demo-timeout, and check that the tool named the cause.
     torchrun --nproc_per_node=3 primitives/debug_hangs.py
     python primitives/debug_hangs.py --nproc 2 --demo-timeout 3 --missing-rank 1
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 Docs: https://pytorch.org/docs/stable/distributed.html#debugging-torch-distributed-applications
 """
 

@@ -11,7 +11,7 @@ call. Every rank must build the same shape, or it hangs (--mismatched-shape, bel
     python primitives/device_mesh.py --nproc 4 --tp 4                # 1 x 4
     python primitives/device_mesh.py --nproc 4 --mismatched-shape    # the pitfall
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.device_mesh.init_device_mesh
       https://pytorch.org/tutorials/recipes/distributed_device_mesh.html

@@ -12,7 +12,7 @@ squares. This is how vocabulary-parallel cross-entropy computes its loss.
     torchrun --nproc_per_node=3 primitives/distributed_softmax.py
     python primitives/distributed_softmax.py --nproc 4 --size 1000000 --offset 0
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_reduce
 """

@@ -10,7 +10,7 @@ primitives/device_mesh.py; which collective each change of placement costs: dten
     torchrun --nproc_per_node=3 primitives/dtensor_basics.py   # 10 rows over 3 ranks: 4, 4, 2
     python primitives/dtensor_basics.py --nproc 4 --rows 8
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 Docs: https://pytorch.org/docs/stable/distributed.tensor.html
 """
 

@@ -11,7 +11,7 @@ process: the loss, the gradient's values, its placement and local shape, and no 
     torchrun --nproc_per_node=3 primitives/dtensor_loss_parallel.py   # 16 classes over 3: 6, 6, 4
     python primitives/dtensor_loss_parallel.py --nproc 4 --batch 32 --classes 1000
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 Docs: https://pytorch.org/docs/stable/distributed.tensor.parallel.html#torch.distributed.tensor.parallel.loss_parallel
 """
 

@@ -13,7 +13,7 @@ placements themselves: dtensor_basics.py.
     torchrun --nproc_per_node=3 primitives/dtensor_redistribute.py
     python primitives/dtensor_redistribute.py --nproc 4 --rows 16 --cols 8
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group. Docs:
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python. Docs:
 https://pytorch.org/docs/stable/distributed.tensor.html#torch.distributed.tensor.DTensor.redistribute
       https://pytorch.org/docs/stable/distributed.tensor.html#debugging (CommDebugMode)
 """

@@ -14,7 +14,7 @@ and with torch's analyzer (primitives/README.md, "My job hangs: which rank?").
     torchrun --nproc_per_node=3 primitives/flight_recorder.py --fault order
     python primitives/flight_recorder.py --nproc 4          # every fault in turn
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://docs.pytorch.org/tutorials/unstable/flight_recorder_tutorial.html
 """

@@ -7,7 +7,7 @@ one per rank, all of the same shape); the other ranks pass None.
     torchrun --nproc_per_node=4 primitives/gather.py
     python primitives/gather.py --nproc 3 --dst 2
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.gather
 """

@@ -13,7 +13,7 @@ long as one unit, given a free core each. Each unit's result is checked against 
     torchrun --nproc_per_node=2 primitives/gil_threads_vs_processes.py
     python primitives/gil_threads_vs_processes.py --nproc 4 --work 3000000
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 Docs: https://pytorch.org/docs/stable/notes/cuda.html#use-nn-parallel-distributeddataparallel-instead-of-multiprocessing-or-nn-dataparallel
 """
 

@@ -10,7 +10,7 @@ all_gather (deprecated in torch 2.13). Float32 (no TF32), checked against float6
 
     torchrun --nproc_per_node=3 primitives/grad_through_collectives.py
     python primitives/grad_through_collectives.py --nproc 4 --batch 32 --dim-in 64 --dim-out 32
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 Docs: https://pytorch.org/docs/stable/distributed.html#autograd-enabled-communication-primitives
 """
 

@@ -11,7 +11,7 @@ through which the ranks find each other, then the backend connects them.
     torchrun --nproc_per_node=3 primitives/init_methods.py --init-method file
     python primitives/init_methods.py --nproc 3 --init-method tcp
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 Here run(main, args, init_process_group=False) leaves out the first: main forms each group.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#initialization

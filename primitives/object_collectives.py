@@ -13,7 +13,7 @@ collectives: measured below against all_gather of the same numbers as a tensor.
     torchrun --nproc_per_node=3 primitives/object_collectives.py
     python primitives/object_collectives.py --nproc 2 --numbers 100000
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_gather_object
 """

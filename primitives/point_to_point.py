@@ -10,7 +10,7 @@ ProcessGroupNCCL.hpp, torch 2.13).
     torchrun --nproc_per_node=3 primitives/point_to_point.py
     python primitives/point_to_point.py --nproc 4
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#point-to-point-communication
 """

@@ -15,7 +15,7 @@
     torchrun --nproc_per_node=4 primitives/process_groups.py
     python primitives/process_groups.py --nproc 3
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#groups
 """

@@ -8,7 +8,7 @@ Use all_reduce when every rank needs the result.
     torchrun --nproc_per_node=4 primitives/reduce.py
     python primitives/reduce.py --nproc 3 --dst 1
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.reduce
 """

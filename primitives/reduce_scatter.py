@@ -13,7 +13,7 @@ sum over s of (100*s + 10*r + i).
     torchrun --nproc_per_node=4 primitives/reduce_scatter.py
     python primitives/reduce_scatter.py --nproc 3
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.reduce_scatter
       https://pytorch.org/docs/stable/distributed.html#torch.distributed.reduce_scatter_tensor

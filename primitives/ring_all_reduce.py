@@ -7,7 +7,7 @@ its steps and bytes; both are checked bit for bit against dist.all_reduce, then 
 
     torchrun --nproc_per_node=4 primitives/ring_all_reduce.py
     python primitives/ring_all_reduce.py --nproc 5 --sizes 3,1001,1048577 --iters 10
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.batch_isend_irecv
 """
 

@@ -12,7 +12,7 @@ against the plain ring and dist.all_reduce, with where each rank's time went (po
     python primitives/ring_all_reduce_pipelined.py --nproc 4 --sizes 1048576,4194304 \\
         --chunks 1,2,4,8 --iters 10
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.batch_isend_irecv
 """
 

@@ -10,7 +10,7 @@ messages between two ranks arrive in the order they were posted, so the halos do
     torchrun --nproc_per_node=3 primitives/ring_exchange.py
     python primitives/ring_exchange.py --nproc 4 --size 5
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.batch_isend_irecv
 """

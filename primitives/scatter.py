@@ -7,7 +7,7 @@ scatter_list, src=s): rank r's out holds x_r. Only src passes the list; others p
     torchrun --nproc_per_node=4 primitives/scatter.py
     python primitives/scatter.py --nproc 3 --src 1
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.scatter
 """

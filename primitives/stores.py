@@ -15,7 +15,7 @@ has no queue; TCPStore and FileStore count a key of their own in num_keys.
     torchrun --nproc_per_node=3 primitives/stores.py
     python primitives/stores.py --nproc 2
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#distributed-key-value-store
 """

@@ -9,7 +9,7 @@ bit against a replica each rank computes (for the check only). Two jobs: weight_
 
     torchrun --nproc_per_node=4 primitives/weight_sync.py --trainers 2     # rank 0 -> ranks 2, 3
     torchrun --nproc_per_node=8 primitives/weight_sync.py --layers 24 --width 4096 --bucket-mb 256
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.broadcast
 """
 

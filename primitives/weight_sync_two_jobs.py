@@ -17,7 +17,7 @@ bucket, and it lands in the inference ranks' parameters (views of the bucket, se
 
 One GPU node: each job its own GPUs (CUDA_VISIBLE_DEVICES; NCCL refuses two ranks of a communicator
 on one GPU, "Duplicate GPU detected", init.cc; README: the 1 -> 7 recipe). Two hosts: --sync-host.
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.TCPStore
 """
 

@@ -24,7 +24,7 @@ DIVIDER = "# ---- The lesson ends here. What follows is how it checks itself. --
 # In the docstring of every lesson that uses launch.dist_setup.run: what run and ctx stand for
 # (launch/README.md shows the block that replaces the import when the lesson is copied out).
 SETUP_LINE = (
-    "run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group."
+    "run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python."
 )
 ABOVE_DIVIDER = 80
 MAX_LINES = 250

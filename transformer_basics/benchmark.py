@@ -20,7 +20,7 @@ torch.profiler (ProcessGroup.hpp dispatches every collective through them, torch
 step-time ratios issue 18 set goals for. The check: ddp, ddp+, fsdp, fsdp+ and tp train one model
 on one global batch, so their losses must agree.
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
     torchrun --nproc_per_node=2 transformer_basics/benchmark.py
     torchrun --nproc_per_node=8 transformer_basics/benchmark.py --n-layer 12 --n-head 16 \

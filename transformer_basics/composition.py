@@ -14,7 +14,7 @@ graphs and AC's recomputation, no code generation: inductor's C++ build is slowe
 the README), "inductor" on GPUs. The first step compiles: the collective timeout is 600 s here
 (see the parser below).
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
     torchrun --nproc_per_node=2 transformer_basics/composition.py          # fsdp, AC, compile
     python transformer_basics/composition.py --nproc 2 --parallel ddp --no-ac

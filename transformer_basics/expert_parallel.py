@@ -9,7 +9,7 @@ Load balancing: Switch's aux loss. Checked against one float64 process: output, 
     torchrun --nproc_per_node=2 transformer_basics/expert_parallel.py
     python transformer_basics/expert_parallel.py --nproc 4 --experts 16 --tokens 64 --dim 64
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_to_all_single
       Switch Transformer (the load-balancing loss, eq. 4): https://arxiv.org/abs/2101.03961

@@ -14,7 +14,7 @@ sends and receives, mixed ones grouped in dist.batch_isend_irecv so that NCCL ca
 deadlock (torch 2.13, torch/distributed/pipelining/schedules.py, _batch_p2p); Gloo sends
 CPU tensors only, so Gloo with CUDA tensors is refused up front.
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
     torchrun --nproc_per_node=2 transformer_basics/pipeline_parallel.py
     python transformer_basics/pipeline_parallel.py --nproc 4 --schedule 1f1b --microbatches 8

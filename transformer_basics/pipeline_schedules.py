@@ -11,7 +11,7 @@ parameters equal one process training the whole model on the whole batch. Measur
 the bubble in ticks (F, I, W one tick, a full B two) and in seconds, the micro-batches held and
 the sends (which the schedules post, in dist.batch_isend_irecv).
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
     torchrun --nproc_per_node=2 transformer_basics/pipeline_schedules.py
     python transformer_basics/pipeline_schedules.py --nproc 4 --schedule zbv

@@ -13,7 +13,7 @@ F.scaled_dot_product_attention(is_causal=True) on the whole sequence. torch's ow
     torchrun --nproc_per_node=3 transformer_basics/ring_attention.py
     python transformer_basics/ring_attention.py --nproc 4 --seq 64 --heads 4
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.batch_isend_irecv
       https://pytorch.org/docs/stable/notes/extending.html#extending-torch-autograd

@@ -13,7 +13,7 @@ but activations outside the matmuls are 1/tp as large. Embeddings and the (tied)
 whole on every rank here; train_2d.py adds FSDP on a second mesh dimension.
 The check: the sharded model's logits and gradients equal those of the unsharded model.
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
     torchrun --nproc_per_node=2 transformer_basics/tensor_parallel.py
     python transformer_basics/tensor_parallel.py --nproc 4 --sequence-parallel

@@ -13,7 +13,7 @@ checkpoint. The loop (training.py: accumulation, clipping, bf16 autocast, eval) 
 checkpoints (checkpointing.py: torch.save for none/ddp, torch.distributed.checkpoint for fsdp
 and --async-save, atomic, with the RNG state) are shared with train_2d.py.
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/notes/ddp.html, .../distributed.fsdp.fully_shard.html
 """

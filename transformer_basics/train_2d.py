@@ -12,7 +12,7 @@ train.py with these changes (`diff train.py train_2d.py`): the mesh, the two par
 calls, data sharded by dp rank, gradient clipping over two meshes, and a check that the first
 step's gradients equal those of the unsharded model on the whole global batch.
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/tutorials/intermediate/TP_tutorial.html
       https://pytorch.org/docs/stable/distributed.tensor.parallel.html

@@ -14,7 +14,7 @@ and the collectives of one step per rank.
     torchrun --nproc_per_node=8 transformer_basics/train_cp.py --cp 8 --block-size 4096 \
         --n-embd 256                                                         # 8 GPUs
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.batch_isend_irecv
       https://pytorch.org/tutorials/recipes/distributed_device_mesh.html

@@ -21,7 +21,7 @@ AdamW's two moments all the same.
     torchrun --nproc_per_node=2 transformer_basics/train_moe.py                 # dp 1 x ep 2
     python transformer_basics/train_moe.py --nproc 4 --ep 2                     # dp 2 x ep 2
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_to_all_single
 """

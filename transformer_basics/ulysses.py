@@ -10,7 +10,7 @@ Checked in float64 against F.scaled_dot_product_attention(is_causal=True) on the
     torchrun --nproc_per_node=2 transformer_basics/ulysses.py
     python transformer_basics/ulysses.py --nproc 4 --seq 64 --heads 8
 
-run() and ctx: init_process_group on ctx.device, main(args, ctx), destroy_process_group.
+run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_to_all_single
       https://docs.pytorch.org/docs/main/distributed.functional_collectives.html

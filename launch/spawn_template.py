@@ -24,7 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from launch.argtypes import int_in
+from launch.dist_setup import int_in
 
 
 def worker(rank, world_size, port, fail_rank):

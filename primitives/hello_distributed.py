@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# argparse types with a range (launch/argtypes.py): a bad value stops where it is parsed
-from launch.argtypes import float_in, int_in
+# argparse types with a range (launch/dist_setup.py): a bad value stops where it is parsed
+from launch.dist_setup import float_in, int_in
 
 NAME_BYTES = 128  # collectives move tensors of one size: strings travel padded to this
 

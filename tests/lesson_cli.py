@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import io
 import os
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -80,5 +81,5 @@ def lessons():
         str(p.relative_to(ROOT))
         for folder in FOLDERS
         for p in (ROOT / folder).glob("*.py")
-        if 'if __name__ == "__main__":' in p.read_text()
+        if re.search(r'^if __name__ == "__main__":', p.read_text(), re.M)
     )

@@ -4,7 +4,7 @@ For each lesson (found by tests/lesson_cli.lessons(), so a lesson added later is
 editing this file), in this process and with no rank started: build its parser, then give each
 numeric flag 0, -1, nan, inf, -inf and 10**15, and each file flag a missing file. Each value is
 either refused by argparse (exit 2, one "error:" line that names the flag) or inside the range the
-flag's type declares, which --help prints (launch/argtypes.py). A numeric flag with a bare
+flag's type declares, which --help prints (launch/dist_setup.py). A numeric flag with a bare
 `type=int` or `type=float` fails here: it has no range, so 0 or 10**15 would reach the lesson.
 """
 
@@ -40,7 +40,9 @@ def flag_problems(lesson):
     for action in flags(parser):
         name, kind = action.option_strings[-1], action.type
         if kind in (int, float):
-            problems.append(f"{name}: bare type={kind.__name__}; use launch.argtypes (int_in, ...)")
+            problems.append(
+                f"{name}: bare type={kind.__name__}; use launch.dist_setup (int_in, ...)"
+            )
             continue
         high = getattr(kind, "high", None)
         if high is not None:
@@ -76,4 +78,4 @@ def test_a_lesson_without_a_range_fails_here(tmp_path):
     assert flag_problems(ROOT / "primitives/all_reduce.py") == []
     copy = mutant(tmp_path, "primitives/all_reduce.py", ("type=int_in(1, 1_000_000)", "type=int"))
     problems = flag_problems(copy)
-    assert problems == ["--size: bare type=int; use launch.argtypes (int_in, ...)"], problems
+    assert problems == ["--size: bare type=int; use launch.dist_setup (int_in, ...)"], problems

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "transformer_basics"))
 import checkpointing  # noqa: E402
 import data  # noqa: E402
 import generate  # noqa: E402
-from launch.devices import UsageError  # noqa: E402
+from launch.dist_setup import UsageError  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 TIMEOUT = 240

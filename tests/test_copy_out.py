@@ -1,66 +1,47 @@
-"""A lesson copied out of this repository runs: launch/README.md's blocks replace the import.
+"""Copying a lesson out is copying files, and nothing is edited (launch/README.md, "Copying a
+lesson into your project"): the lesson, the modules of its folder that it imports (found by
+following every import statement, in functions too) and launch/dist_setup.py, into an empty
+directory outside the repository.
 
-For each lesson below (one per folder at least, and a DTensor lesson): copy it and the helper
-modules of its folder that it imports (toy.py, model.py, ...; found by following its imports) into
-an empty temporary directory outside the repository, replace its `from launch.dist_setup import
-...` by the Python blocks of launch/README.md's section "Copying a lesson into your project" (read
-from the README, so the README's blocks are what is tested), and run it under real torchrun at 2
-ranks, from that directory and without PYTHONPATH. It must print its OK line.
-
-The editable install still puts this repository's `launch` on sys.path, so the copy is read first:
-no line of it may import or name the `launch` package; and the temporary directory holds a
-`launch.py` that raises, so an import that slipped through fails the run instead of finding the
-repository.
+The copies run in an interpreter that cannot see this repository: a venv without pip whose only
+path to other packages is a .pth line per directory that holds torch, numpy or tqdm (a path line
+adds the directory; the .pth files in it, such as the editable install's finder of `launch`, are
+not run), with no PYTHONPATH.
+- Every lesson (tests/lesson_cli.lessons(), so a new lesson is covered), all in one process
+  (tests/copy_check.py): its imports resolve inside the copy or outside the repository, `--help`
+  works, and plain `python lesson.py` says in one line to use torchrun.
+- A helper module that imports the repository's launch package (a mutation) fails that check.
+- Under real torchrun at 2 ranks, from copies: the lessons of COPIED_RUNS, and train.py with
+  --async-save, then --resume from what it saved.
 """
 
 import ast
-import re
+import json
+import os
+import shutil
+import subprocess
 import sys
+import sysconfig
 
 import pytest
 
 from harness import ROOT, assert_ok, free_port, run_command
+from lesson_cli import lessons
 
-SECTION = "## Copying a lesson into your project"
-IMPORT = re.compile(r"^from launch\.dist_setup import (\([^)]*\)|[^\n]*)$", re.M)
-LAUNCH = re.compile(r"\b(from|import)\s+launch\b|\blaunch\.(dist_setup|argtypes|devices|printing)")
-TIMEOUT = 240  # two ranks importing torch under a loaded machine; a hang is caught, not waited out
-
-LESSONS = [
+TIMEOUT = 240  # two ranks importing torch on a loaded machine; a hang is caught, not waited out
+COPIED_RUNS = [
     pytest.param("primitives/all_reduce.py", marks=pytest.mark.quick),
+    "primitives/barrier.py",  # imports float_in without int_in
     "ddp_basics/ddp_minimal.py",
     "fsdp_basics/fsdp_minimal.py",
     "transformer_basics/ring_attention.py",
     "primitives/dtensor_redistribute.py",
 ]
 
-
-def readme_block():
-    """The ```python blocks of launch/README.md's section, joined: what replaces the import."""
-    text = (ROOT / "launch" / "README.md").read_text()
-    assert SECTION in text, f"launch/README.md has no section {SECTION!r}"
-    section = text.split(SECTION, 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert blocks, f"no ```python block in launch/README.md's {SECTION!r}"
-    return "\n\n".join(blocks)
+REQUIRED_FLAGS = {"primitives/weight_sync_two_jobs.py": ["--role", "trainer"]}  # plain python
 
 
-def defined(block):
-    """The names the block defines at its top level (functions, classes, assignments)."""
-    names = set()
-    for node in ast.parse(block).body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, ast.Assign):
-            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
-    return names
-
-
-def imported_names(statement):
-    return {a.asname or a.name for a in ast.parse(statement.strip()).body[0].names}
-
-
-def siblings(lesson):
+def closure(lesson):
     """The lesson and every module of its folder that it imports, directly or through another."""
     folder, todo, found = (ROOT / lesson).parent, [ROOT / lesson], []
     while todo:
@@ -69,67 +50,102 @@ def siblings(lesson):
             continue
         found.append(path)
         for node in ast.walk(ast.parse(path.read_text())):
-            modules = []
+            names = []
             if isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                modules = [node.module]
+                names = [node.module]
             elif isinstance(node, ast.Import):
-                modules = [a.name for a in node.names]
-            todo += [folder / f"{m}.py" for m in modules if (folder / f"{m}.py").is_file()]
+                names = [alias.name for alias in node.names]
+            todo += [folder / f"{n}.py" for n in names if (folder / f"{n}.py").is_file()]
     return found
 
 
-def copy_out(lesson, into, block):
-    """Copy the lesson and its siblings into `into`, each import from launch replaced by block."""
-    for path in siblings(lesson):
-        text = path.read_text()
-        for statement in IMPORT.findall(text):
-            missing = imported_names(f"from launch.dist_setup import {statement}") - defined(block)
-            assert not missing, f"{path.name} imports {sorted(missing)}: the block lacks them"
-        text = IMPORT.sub(lambda _: block, text)
-        left = [line for line in text.splitlines() if LAUNCH.search(line)]
-        assert not left, f"{path.name} still refers to the launch package: {left}"
-        (into / path.name).write_text(text)
-    (into / "launch.py").write_text('raise ImportError("a copied lesson imported launch")\n')
-    return into / (ROOT / lesson).name
+def copy_out(lesson, into):
+    """The reader's copy: the closure beside each other, dist_setup.py in launch/."""
+    into.mkdir(parents=True)
+    for path in closure(lesson):
+        shutil.copy(path, into / path.name)
+    (into / "launch").mkdir()
+    shutil.copy(ROOT / "launch" / "dist_setup.py", into / "launch" / "dist_setup.py")
+    needs = REQUIRED_FLAGS.get(lesson, [])
+    (into / "lesson.txt").write_text(" ".join([os.path.basename(lesson), *needs]))
+    return into / os.path.basename(lesson)
+
+
+@pytest.fixture(scope="module")
+def python(tmp_path_factory):
+    """A python that sees torch, numpy and tqdm, and neither this repository nor its install."""
+    venv = tmp_path_factory.mktemp("copy_venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
+    import numpy
+    import torch
+    import tqdm
+
+    where = {os.path.dirname(os.path.dirname(m.__file__)) for m in (torch, numpy, tqdm)}
+    assert not any(w.startswith(str(ROOT)) for w in where), where
+    site = sysconfig.get_path("purelib", vars={"base": str(venv), "platbase": str(venv)})
+    (venv / "lib").mkdir(exist_ok=True)
+    os.makedirs(site, exist_ok=True)
+    with open(os.path.join(site, "packages.pth"), "w") as pth:
+        pth.write("".join(f"{w}\n" for w in sorted(where)))
+    return str(venv / "bin" / "python")
+
+
+def check_copies(python, copies, tmp_path):
+    """tests/copy_check.py over the copies, in one process; {copy: [problem, ...]}."""
+    driver = tmp_path / "copy_check.py"
+    shutil.copy(ROOT / "tests" / "copy_check.py", driver)
+    command = ["env", "-u", "PYTHONPATH", python, driver, ROOT, *copies]
+    result = run_command(command, timeout=TIMEOUT, cwd=tmp_path)
+    assert result.returncode == 0 and not result.timed_out, str(result)
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.quick
-def test_a_launch_reference_left_in_a_copy_is_caught(tmp_path):
-    folder, into = tmp_path / "lessons", tmp_path / "out"
-    folder.mkdir(), into.mkdir()
-    (folder / "helper.py").write_text("from launch.printing import print0\n")
-    (folder / "lesson.py").write_text("from launch.dist_setup import print0, run\nimport helper\n")
-    with pytest.raises(AssertionError, match="helper.py still refers to the launch package"):
-        copy_out(str(folder / "lesson.py"), into, readme_block())
+def test_every_lesson_copied_out_imports_only_its_copy(python, tmp_path):
+    copies = [copy_out(lesson, tmp_path / lesson.replace("/", "__")).parent for lesson in lessons()]
+    assert len(copies) >= 79, len(copies)
+    report = check_copies(python, copies, tmp_path)
+    problems = [f"{os.path.basename(c)}: {p}" for c, ps in report.items() for p in ps]
+    assert not problems, "\n".join(problems)
 
 
 @pytest.mark.quick
-def test_the_block_provides_every_name_a_lesson_imports():
-    """Every name any lesson imports from launch.dist_setup today, except test_flags, which issue
-    29 removes from the lessons (tests/test_lesson_shape.py): so a lesson that starts importing a
-    new name fails here, with that name, until the README's block has it."""
-    from lesson_cli import lessons
-
-    wanted = set()
-    for lesson in lessons():
-        for statement in IMPORT.findall((ROOT / lesson).read_text()):
-            wanted |= imported_names(f"from launch.dist_setup import {statement}")
-    missing = wanted - {"test_flags"} - defined(readme_block())
-    assert not missing, f"launch/README.md's block lacks {sorted(missing)}"
+def test_a_helper_that_imports_the_repository_is_caught(python, tmp_path):
+    """The mutation: training.py reaches for a launch module that the reader did not copy."""
+    copy = copy_out("transformer_basics/train.py", tmp_path / "train").parent
+    helper = copy / "training.py"
+    helper.write_text("import launch.local_ranks  # noqa\n" + helper.read_text())
+    problems = check_copies(python, [copy], tmp_path)[str(copy)]
+    assert any("training.py: `import launch.local_ranks` finds nothing" in p for p in problems)
+    assert any(p.startswith("--help: exit") for p in problems), problems
 
 
-@pytest.mark.parametrize("lesson", LESSONS)
-def test_a_lesson_copied_out_runs_under_torchrun(lesson, tmp_path_factory):
-    if "test_flags" in (ROOT / lesson).read_text():  # until issue 29 converts it (see above)
-        pytest.skip(f"{lesson} still has a test-only flag group")
-    into = tmp_path_factory.mktemp("copied_out")
-    assert not into.resolve().is_relative_to(ROOT)
-    copy = copy_out(lesson, into, readme_block())
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
-    port = ["--master_addr=127.0.0.1", f"--master_port={free_port()}"]
-    # env -u: the repository must not be on the copy's path (run_command keeps the rest of the
-    # environment the suite gives every run).
-    command = ["env", "-u", "PYTHONPATH", *torchrun, *port, copy.name]
-    result = run_command(command, timeout=TIMEOUT, cwd=into)
-    assert "a copied lesson imported launch" not in result.stderr, str(result)
-    assert_ok(result)
+def test_the_set_up_file_imports_only_the_standard_library_and_torch():
+    tree = ast.parse((ROOT / "launch" / "dist_setup.py").read_text())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    names = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in top if isinstance(n, ast.ImportFrom)}
+    outside = {n for n in names if n.split(".")[0] not in sys.stdlib_module_names | {"torch"}}
+    assert not outside, f"launch/dist_setup.py imports {sorted(outside)} when it is imported"
+
+
+def torchrun(python, copy, *args):
+    command = [python, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    command += ["--master_addr=127.0.0.1", f"--master_port={free_port()}", copy.name, *args]
+    return run_command(["env", "-u", "PYTHONPATH", *command], timeout=TIMEOUT, cwd=copy.parent)
+
+
+@pytest.mark.parametrize("lesson", COPIED_RUNS)
+def test_a_lesson_copied_out_runs_under_torchrun(lesson, python, tmp_path):
+    assert not tmp_path.resolve().is_relative_to(ROOT)
+    assert_ok(torchrun(python, copy_out(lesson, tmp_path / "copy")))
+
+
+def test_train_copied_out_saves_asynchronously_and_resumes(python, tmp_path):
+    copy = copy_out("transformer_basics/train.py", tmp_path / "copy")
+    args = ["--steps", "8", "--warmup", "2", "--eval-every", "4", "--save-every", "2"]
+    args += ["--async-save", "--out", "run"]
+    assert_ok(torchrun(python, copy, *args, "--stop-after", "4"))
+    resumed = torchrun(python, copy, *args, "--resume")
+    assert_ok(resumed)
+    assert "resumed at step 4" in resumed.stdout, str(resumed)

@@ -10,6 +10,7 @@ import torch
 from harness import assert_fails, assert_ok, run_lesson
 
 import launch.dist_setup as setup
+import launch.local_ranks as local_ranks
 
 
 # --- the module's decisions, with the machine's accelerators simulated ---------------------
@@ -89,6 +90,43 @@ def test_device_alone_picks_its_default_backend(gpus):
     assert setup.choose_device(3, 4, device="cpu") == (torch.device("cpu"), "gloo")
 
 
+class _Initialised(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    "backend,device,bound", [("gloo", "cuda", None), ("nccl", None, torch.device("cuda", 1))]
+)
+def test_only_nccl_binds_the_device(gpus, monkeypatch, backend, device, bound):
+    """device_id goes to init_process_group on NCCL only. A Gloo group bound to a device builds
+    its subgroups by splitting, and new_group then calls perform_nocolor_split on the ranks left
+    out, which only NCCL has (torch/distributed/distributed_c10d.py, _new_process_group_helper, 2.13
+    and 2.14): AttributeError on Gloo with CUDA tensors (tests/fixtures/bound_gloo_new_group.py)."""
+    gpus(2)
+    seen = {}
+
+    def init(backend, **kwargs):
+        seen.update(kwargs, backend=backend)
+        raise _Initialised
+
+    monkeypatch.setattr(setup.dist, "init_process_group", init)
+    monkeypatch.setattr(torch.accelerator, "set_device_index", lambda index: None)
+    for name, value in dict(RANK=1, WORLD_SIZE=2, LOCAL_RANK=1, LOCAL_WORLD_SIZE=2).items():
+        monkeypatch.setenv(name, str(value))
+    argv = ["--backend", backend] + (["--device", device] if device else [])
+    with pytest.raises(_Initialised):
+        setup.run(lambda args, ctx: None, setup.lesson_parser("").parse_args(argv))
+    assert seen["backend"] == backend and seen["device_id"] == bound, seen
+
+
+def test_a_gloo_group_bound_to_a_device_breaks_new_group_for_ranks_left_out():
+    """Why the test above matters: bound as device_id binds it, a Gloo default group fails
+    new_group([0]) on rank 1. The fixture binds the group by hand (a CPU device_id is refused)."""
+    result = run_lesson("tests/fixtures/bound_gloo_new_group.py", nproc=2, launcher="warm")
+    assert_ok(result)
+    assert "rank 1: AttributeError" in result.stdout and "perform_nocolor_split" in result.stdout
+
+
 @pytest.mark.parametrize(
     "n_gpus,min_ranks,expected", [(0, 1, 2), (1, 1, 1), (1, 2, 2), (8, 1, 8), (8, 2, 8)]
 )
@@ -97,8 +135,8 @@ def test_plain_python_starts_one_rank_per_gpu_and_at_least_min_ranks(
 ):
     gpus(n_gpus)
     args = setup.lesson_parser("", min_ranks=min_ranks).parse_args([])
-    assert setup.default_nproc(args) == expected
-    assert setup.default_nproc(setup.lesson_parser("").parse_args(["--backend", "gloo"])) == 2
+    assert local_ranks.default_nproc(args) == expected
+    assert local_ranks.default_nproc(setup.lesson_parser("").parse_args(["--backend", "gloo"])) == 2
 
 
 def test_environment_variables_set_the_defaults(monkeypatch):

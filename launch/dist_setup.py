@@ -79,8 +79,10 @@ def lesson_parser(doc, default_nproc=None, min_ranks=1):
     add, env = parser.add_argument_group("distributed set-up").add_argument, os.environ.get
     add("--nproc", type=int_in(1, 4096), default=default_nproc,
         help="plain python only: ranks to start (default: one per GPU, else 2)")  # fmt: skip
-    add("--backend", default=env("DIST_BACKEND"), help="gloo or nccl (env DIST_BACKEND)")
-    add("--device", default=env("DIST_DEVICE"), help="cpu or cuda (env DIST_DEVICE)")
+    add("--backend", default=env("DIST_BACKEND"),
+        help="gloo or nccl (env DIST_BACKEND; default: nccl with a GPU a rank)")  # fmt: skip
+    add("--device", default=env("DIST_DEVICE"),
+        help="cpu or cuda (env DIST_DEVICE; default: the backend's)")  # fmt: skip
     add("--timeout", type=float_in(0, 86_400, low_open=True), default=env("DIST_TIMEOUT", "60"),
         help="seconds a collective may wait before it fails (env DIST_TIMEOUT)")  # fmt: skip
     return parser

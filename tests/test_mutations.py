@@ -471,6 +471,17 @@ FSDP_BASICS = [
         ],
         "the averaged gradient slices differ from one process's gradient by",
     ),
+    Mutation(  # Adam hides the N-times scale: only the check of the reduced gradient sees it
+        "zero_by_hand-sum-not-average",
+        "fsdp_basics/zero_by_hand.py",
+        [
+            (
+                "dist.reduce_scatter_single(grad_shard, full_grad, op=dist.ReduceOp.AVG)",
+                "dist.reduce_scatter_single(grad_shard, full_grad, op=dist.ReduceOp.SUM)",
+            )
+        ],
+        "the reduced gradient shards differ from one process's by",
+    ),
     # zero_redundancy_optimizer (was --leave-out-last; --skip-optimizer-load needs a checkpoint:
     # tests/test_zero_stages.py makes that mutation)
     Mutation(

@@ -447,6 +447,14 @@ FSDP_BASICS = [
         [("block.set_modules_to_backward_prefetch(", "print(")],
         "True, explicit prefetch of 2: prefetched ",
     ),
+    Mutation(  # the backward list farthest block first: the same set, issued in the wrong order
+        "fsdp_overlap-backward-prefetch-farthest-first",
+        "fsdp_basics/fsdp_overlap.py",
+        [("blocks[max(0, i - prefetch) : i][::-1]", "blocks[max(0, i - prefetch) : i]")],
+        "True, explicit prefetch of 2: prefetched blocks.1 by blocks.0 (forward), blocks.2 by "
+        "blocks.0 (forward), blocks.2 by root (backward), blocks.0 by blocks.2 (backward), "
+        "blocks.1 by blocks.2 (backward); expected",
+    ),
     # zero_stages (was --skip-all-gather, --keep-full-grads; a SUM for the AVG: issue 32)
     Mutation(
         "zero_stages-all-gather-left-out",

@@ -200,6 +200,26 @@ PRIMITIVES = [
         args=("--batch", "4"),
         quick=True,
     ),
+    # async_errors (issue 45): the data separate SUM from MAX; the failure is the timeout asked for
+    Mutation(  # rank + 1 in every element: at 2 ranks MAX gives 2, SUM 3 (rank 0's zeros hid it)
+        "async_errors-in-flight-max-not-sum",
+        "primitives/async_errors.py",
+        [
+            (
+                "works = [dist.all_reduce(x, async_op=True) for x in tensors]",
+                "works = [dist.all_reduce(x, dist.ReduceOp.MAX, async_op=True) for x in tensors]",
+            )
+        ],
+        "tensor 0 of 1: [2.0, 2.0, 2.0, 2.0], expected 3.0",
+        args=("--fail-after", "1"),
+    ),
+    Mutation(  # a timeout typed in instead of the one asked for: the failure comes too soon
+        "async_errors-timeout-typed-in",
+        "primitives/async_errors.py",
+        [("timedelta(seconds=args.fail_after)", "timedelta(seconds=1)")],
+        "before --fail-after 3 s",
+        args=("--fail-after", "3", "--in-flight", "1"),
+    ),
     # flight_recorder and rpc_pipeline (issue 31)
     Mutation(  # the analysis singles out the ranks that agree instead of the one outvoted
         "flight_recorder-majority-inverted",

@@ -88,6 +88,17 @@ PRIMITIVES = [
         "sharing by MAX gave",
         nproc=3,
     ),
+    Mutation(  # the empty slots 0, not MAX's identity -inf: only negative sums can show it
+        "process_groups-empty-slots-zero",
+        "primitives/process_groups.py",
+        [
+            (
+                'slots = torch.full((2, n), float("-inf"), device=dev)',
+                "slots = torch.zeros(2, n, device=dev)",
+            )
+        ],
+        "sharing by MAX gave",
+    ),
     Mutation(  # the mesh's dimensions swapped: the check reads the mesh built, not the request
         "device_mesh-dims-swapped",
         "primitives/device_mesh.py",

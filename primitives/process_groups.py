@@ -38,9 +38,7 @@ def main(args, ctx):
     mine = 0 if rank < world // 2 else 1
     group, members = check_backend(groups[mine], ctx), halves[mine]
 
-    t = torch.arange(n, dtype=torch.float32, device=dev) - 100 * (
-        rank + 1
-    )  # < 0: 0 is not MAX's identity
+    t = torch.arange(n, dtype=torch.float32, device=dev) - 100 * (rank + 1)  # sums < 0
     dist.all_reduce(t, group=group)  # within my half only
     where = [
         (dist.get_group_rank(group, g), dist.get_global_rank(group, i))
@@ -48,7 +46,7 @@ def main(args, ctx):
     ]
     check_half(t, where, members, n, mine, dist.get_rank(group))
 
-    # Share both halves' results with everyone: one slot per group, MAX over the world.
+    # Share both halves' results: a slot per group, -inf (not 0: sums < 0) elsewhere, MAX over all.
     slots = torch.full((2, n), float("-inf"), device=dev)
     slots[mine] = t
     by_max = slots.clone()

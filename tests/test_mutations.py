@@ -255,6 +255,15 @@ PRIMITIVES = [
         args=("--fault", "order"),
         timeout=240,
     ),
+    Mutation(  # both stages on worker 1 where the lesson puts stage 2 on the last worker: the
+        # training is the same wherever the stages live, so only the owners can show it
+        "rpc_pipeline-stage-2-on-another-worker",
+        "primitives/rpc_pipeline.py",
+        [('rpc.remote(f"worker{ctx.world_size - 1}", Stage', 'rpc.remote("worker1", Stage')],
+        "the stages live on ['worker1', 'worker1'], not on ['worker1', 'worker2']",
+        nproc=3,
+        timeout=240,
+    ),
     Mutation(  # no distributed backward: the optimizer steps with no gradients
         "rpc_pipeline-no-backward",
         "primitives/rpc_pipeline.py",

@@ -602,11 +602,11 @@ FSDP_BASICS = [
         nproc=4,
     ),
     Mutation(
-        "hsdp-mesh-transposed",  # (N/R, R) for (R, N/R): at 2 ranks DDP instead of FSDP
+        "hsdp-mesh-transposed",  # (N/R, R) for (R, N/R): at 2 ranks FSDP instead of replicas
         "fsdp_basics/hsdp.py",
         [("(R, ctx.world_size // R), mesh_dim_names", "(ctx.world_size // R, R), mesh_dim_names")],
-        "expected 3 all_reduce (replicate) and 3 reduce_scatter_single (shard), nothing on "
-        "another group; got 3 all_reduce (shard)",
+        "expected 3 all_reduce (replicate) and 0 reduce_scatter_single (shard), nothing on "
+        "another group; got 5 all_gather_single (replicate), 3 reduce_scatter_single (replicate)",
     ),
     Mutation(
         "hsdp-mesh-dim-names-swapped",  # trains as asked (FSDP reads dims by position)

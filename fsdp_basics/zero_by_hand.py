@@ -234,9 +234,6 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int_in(1, 10_000), default=15)
     parser.add_argument("--lr", type=float_in(0, 10, low_open=True), default=1e-2)
     parser.add_argument(
-        "--tol",
-        type=float_in(0, 1, low_open=True),
-        default=1e-4,
-        help="largest |ZeRO-3 - one process| (loss, params)",
+        "--tol", type=float_in(0, 1, low_open=True), default=1e-4, help="max |ZeRO-3 - one process|"
     )
     run(main, parser.parse_args())

@@ -408,6 +408,26 @@ DDP_BASICS = [
         "(b) flat buckets by hand: parameters differ from one-process training",
         args=("--steps", "3", "--warmup", "1"),
     ),
+    # ddp_comm_hooks: a hook that does not compress, and PowerSGD left at its default start
+    Mutation(  # the plain hook registered under the fp16 name: full fp32 bytes
+        "ddp_comm_hooks-fp16-hook-not-registered",
+        "ddp_basics/ddp_comm_hooks.py",
+        [
+            (
+                '"fp16_compress_hook": (None, default_hooks.fp16_compress_hook)',
+                '"fp16_compress_hook": (None, default_hooks.allreduce_hook)',
+            )
+        ],
+        "fp16_compress_hook sent 18448 bytes, expected half of 18448",
+        args=("--steps", "10", "--target", "0"),
+    ),
+    Mutation(  # start_powerSGD_iter left at its default, 1000: the whole run is plain all_reduce
+        "ddp_comm_hooks-powersgd-never-starts",
+        "ddp_basics/ddp_comm_hooks.py",
+        [("start_powerSGD_iter=2", "start_powerSGD_iter=1000")],
+        "PowerSGD sent 18448 bytes, not fewer than 18448",
+        args=("--steps", "10", "--target", "0"),
+    ),
 ]
 
 

@@ -88,6 +88,20 @@ PRIMITIVES = [
         "sharing by MAX gave",
         nproc=3,
     ),
+    Mutation(  # the half's all_reduce on the world group: every rank sums everyone's data
+        "process_groups-half-summed-over-the-world",
+        "primitives/process_groups.py",
+        [("dist.all_reduce(t, group=group)", "dist.all_reduce(t)")],
+        "sum over [1, 2] gave",
+        nproc=3,
+    ),
+    Mutation(  # new_subgroups' group left out: at 4 ranks the world's sum, not the pair's
+        "process_groups-subgroup-left-out",
+        "primitives/process_groups.py",
+        [("dist.all_reduce(s, group=sub)", "dist.all_reduce(s)")],
+        "subgroup sum 10.0 is not the sum of ranks + 1 over",
+        nproc=4,
+    ),
     Mutation(  # the empty slots 0, not MAX's identity -inf: only negative sums can show it
         "process_groups-empty-slots-zero",
         "primitives/process_groups.py",
@@ -549,6 +563,23 @@ FSDP_BASICS = [
             )
         ],
         "the reduced gradient shards differ from one process's by",
+    ),
+    Mutation(  # the forward's full layer never freed: every gathered layer stays alive
+        "zero_by_hand-forward-gather-kept",
+        "fsdp_basics/zero_by_hand.py",
+        [
+            (
+                "full.untyped_storage().resize_(0)  # free the full layer now",
+                "pass  # free the full layer now",
+            )
+        ],
+        "a gathered layer outlived its use, or a rank holds more than 1/N of the state",
+    ),
+    Mutation(  # the shard a view of the whole flat layer: each rank keeps all of it
+        "zero_by_hand-shard-a-view-not-a-copy",
+        "fsdp_basics/zero_by_hand.py",
+        [("flat.chunk(ctx.world_size)[ctx.rank].clone()", "flat.chunk(ctx.world_size)[ctx.rank]")],
+        "a gathered layer outlived its use, or a rank holds more than 1/N of the state",
     ),
     # zero_redundancy_optimizer (was --leave-out-last; --skip-optimizer-load needs a checkpoint:
     # tests/test_zero_stages.py makes that mutation)

@@ -29,6 +29,8 @@ from launch.dist_setup import float_in, int_in, ints_in, lesson_parser, print0, 
 
 def main(args, ctx):
     ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: one of them stays away")
+    # the last rank waits in a barrier on the world group while the others wait --fail-after
+    ctx.require(2 * args.fail_after <= args.timeout, "needs --fail-after <= --timeout / 2")
     rank, world, dev = ctx.rank, ctx.world_size, ctx.device
 
     # 1. The last rank stays away from a collective on a group with a short timeout. Gloo only:

@@ -56,6 +56,16 @@ def test_async_error_at_3_ranks_every_waiting_rank_sees_it():
     assert "[rank 2] stayed away" in result.stdout, result
 
 
+def test_async_errors_refuses_a_fail_after_the_world_timeout_cannot_wait_for():
+    """The last rank waits in a barrier on the world group while the others wait --fail-after: a
+    world --timeout under twice that is refused in one line, not a Gloo timeout in the barrier."""
+    result = run_lesson(
+        ASYNC, "--fail-after", "4", "--timeout", "3", nproc=2, launcher="warm", timeout=TIMEOUT
+    )
+    assert_fails(result, "needs --fail-after <= --timeout / 2", within=2)
+    assert "Traceback" not in result.output, result
+
+
 def test_async_errors_checks_fail_when_the_lesson_is_wrong(tmp_path):
     """Three mistakes: the try around a blocking call (the error then comes from the call); every
     rank joins (nothing fails, so nothing was shown); all N operations on one tensor."""

@@ -149,18 +149,18 @@ def print_timelines(results, width=40):
 
 
 def expected_prefetches(depth, reshard, prefetch, one):
-    """[(block, "forward" or "backward", the block whose hook issues its all_gather)], sorted. With
-    explicit prefetching of p, block i's forward issues blocks i+1..i+p and its backward blocks
-    i-1..i-p, each block gathered by the first hook that lists it; without, FSDP prefetches in
-    backward only, one block ahead; the root's pre-backward issues the last block (when it was
-    resharded). At 1 rank nothing is gathered (unshard in _fsdp_param_group.py)."""
+    """[(block, "forward" or "backward", the block whose hook issues its all_gather)], in the order
+    issued. With explicit prefetching of p, block i's forward issues blocks i+1..i+p and its
+    backward blocks i-1..i-p, nearest first, each gathered by the first hook that lists it;
+    without, FSDP prefetches in backward only, one block ahead; the root's pre-backward issues the
+    last block (when it was resharded). At 1 rank nothing is gathered (_fsdp_param_group.py)."""
     if one:
         return []
     ahead = [(f"blocks.{j}", "forward", f"blocks.{max(0, j - prefetch)}") for j in range(1, depth)]
     p = prefetch or 1
     behind = [(f"blocks.{j}", "backward", f"blocks.{min(depth - 1, j + p)}") for j in range(depth)]
     behind[-1] = (f"blocks.{depth - 1}", "backward", "root")
-    return sorted(ahead * bool(prefetch) + behind * reshard)
+    return ahead * bool(prefetch) + behind[::-1] * reshard  # forward up the blocks, backward down
 
 
 def directions(prefetches):
@@ -171,12 +171,13 @@ def directions(prefetches):
 def check_counts(results, variants, args, ctx):
     """Per rank and variant: one all_gather per block and root in forward, one more per block in
     backward when it was resharded; one reduce_scatter per block and root; and the prefetches:
-    which hook issued which block's all_gather, forward and backward (expected_prefetches)."""
+    which hook issued which block's all_gather, forward and backward, in which order
+    (expected_prefetches)."""
     failures, one = [], ctx.world_size == 1  # at 1 rank FSDP has nothing to gather
     for name, (_, rows) in results.items():
         reshard, prefetch = variants[name]
         found = collectives(rows)
-        issued = sorted((w.split()[1], *by) for w, _, _, by in found if by)
+        issued = [(w.split()[1], *by) for w, _, _, by in found if by]  # in the order issued
         expected = expected_prefetches(args.depth, reshard, prefetch, one)
         gathers = sum(w.startswith("all_gather") for w, *_ in found)
         got = (gathers, len(found) - gathers, *directions(issued))
@@ -234,10 +235,5 @@ if __name__ == "__main__":
     )
     parser.add_argument("--steps", type=int_in(1, 1000), default=3)
     parser.add_argument("--lr", type=float_in(0, 10, low_open=True), default=1e-2)
-    parser.add_argument(
-        "--prefetch",
-        type=int_in(1, 64),
-        default=2,
-        help="blocks each block prefetches (explicit variant)",
-    )
+    parser.add_argument("--prefetch", type=int_in(1, 64), default=2, help="blocks prefetched ahead")
     run(main, parser.parse_args())

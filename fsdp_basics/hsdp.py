@@ -5,9 +5,11 @@ ranks in a grid: row i is a shard group (S ranks that split the model between th
 column j a replicate group (R ranks holding the same shard, as DDP does). fully_shard(m, mesh=mesh)
 with a 2-D mesh gives every parameter the placements (Replicate(), Shard(0)); in backward each
 block's gradients are reduce_scattered inside the shard group, then all_reduced across the
-replicate group. The lesson prints what each rank holds and which collectives ran on which group,
-checks that training equals one process on the whole batch (as DDP does), and measures the mesh
-mistakes: a 2-D mesh where a 1-D one was meant, and the 1-D mesh["shard"] where the 2-D one was.
+replicate group. R defaults to the smallest divisor of N above 1: 2 x 1 at 2 ranks (replicas
+only), 2 x 2 at 4 (both). The lesson prints what each rank holds and which collectives ran on
+which group, and checks that training equals one process on the whole batch (as DDP does); its
+checks (below the divider) also train one step under each mesh mistake, neither of which raises:
+a 2-D mesh where a 1-D one was meant, and the 1-D mesh["shard"] where the 2-D one was.
 
     torchrun --nproc_per_node=4 fsdp_basics/hsdp.py
     python fsdp_basics/hsdp.py --nproc 2 --replicas 2
@@ -33,15 +35,11 @@ from toy import record_collectives, storage_bytes  # for the checks
 
 
 def main(args, ctx):
-    R = args.replicas or (2 if ctx.world_size % 2 == 0 and ctx.world_size >= 4 else 1)
-    ctx.require(
-        ctx.world_size % R == 0,
-        f"--replicas {R} must divide the {ctx.world_size} ranks (the mesh is R x N/R)",
-    )
-    ctx.require(
-        args.batch % ctx.world_size == 0,
-        f"--batch {args.batch} must divide by {ctx.world_size} ranks",
-    )
+    n = ctx.world_size
+    # R: unless asked, n's smallest divisor above 1 (2 x 1 at 2 ranks, 2 x 2 at 4; 1 x 1 at 1)
+    R = args.replicas or min((r for r in range(2, n + 1) if n % r == 0), default=1)
+    ctx.require(n % R == 0, f"--replicas {R} must divide the {n} ranks (the mesh is R x N/R)")
+    ctx.require(args.batch % n == 0, f"--batch {args.batch} must divide by {n} ranks")
     x, y = (t.to(ctx.device) for t in make_data(args.batch * args.steps))
     torch.manual_seed(0)  # the same initial model on every rank (drawn on the CPU, then moved)
     model = BlockMLP(args.width, args.depth).to(ctx.device)
@@ -225,7 +223,7 @@ if __name__ == "__main__":
         "--replicas",
         type=int_in(1, 4096),
         default=None,
-        help="R, the size of mesh dim 0 (default: 2 if the world size is even and >= 4, else 1)",
+        help="R, the size of mesh dim 0 (default: the smallest divisor of N above 1; 1 at N = 1)",
     )
     parser.add_argument("--width", type=int_in(1, 4096), default=64)
     parser.add_argument("--depth", type=int_in(1, 64), default=2)
@@ -235,9 +233,6 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int_in(1, 10_000), default=10)
     parser.add_argument("--lr", type=float_in(0, 10, low_open=True), default=1e-2)
     parser.add_argument(
-        "--tol",
-        type=float_in(0, 1, low_open=True),
-        default=1e-4,
-        help="largest |HSDP - one process| (loss, params)",
+        "--tol", type=float_in(0, 1, low_open=True), default=1e-4, help="max |HSDP - one process|"
     )
     run(main, parser.parse_args())

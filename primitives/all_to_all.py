@@ -1,8 +1,10 @@
 """all_to_all: every rank sends a different piece to every rank (a transpose across ranks).
 
-Rank s holds one piece per destination d, valued 100*s + 10*d + i. After all_to_all,
-rank d holds, in rank order, the piece every s addressed to it: the tens digit is now
-the same everywhere on a rank, the hundreds digit says where a piece came from.
+Rank s holds one piece per destination d, valued 100*s + 10*d + i (i: 0, 1, ... along it).
+After all_to_all, rank d holds, in rank order, the piece every s addressed to it. With pieces
+at most 10 long (--size <= 10 and up to 4 ranks: the uneven pieces below are s + 2d + 1 long),
+the digits read: the tens digit is d everywhere on rank d, the hundreds digit says where a piece
+came from; larger runs carry into the next digit.
 This is the exchange of expert parallelism (tokens to experts) and of Ulysses sequence
 parallelism.
   - list form, all_to_all(out_list, in_list)

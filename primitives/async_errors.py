@@ -9,7 +9,7 @@
    each tensor must stay alive and untouched (the backend writes into it), and each Work is one
    more handle the backend tracks. Measured for each N: the bytes the tensors hold, the
    process's memory growth while they are in flight, the time to issue and to finish, against
-   waiting for each at once.
+   the blocking call, one at a time.
 
     torchrun --nproc_per_node=2 primitives/async_errors.py
     python primitives/async_errors.py --nproc 3 --in-flight 1,10,100,1000 --size 65536
@@ -29,6 +29,8 @@ from launch.dist_setup import float_in, int_in, ints_in, lesson_parser, print0, 
 
 def main(args, ctx):
     ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: one of them stays away")
+    # the last rank waits in a barrier on the world group while the others wait --fail-after
+    ctx.require(2 * args.fail_after <= args.timeout, "needs --fail-after <= --timeout / 2")
     rank, world, dev = ctx.rank, ctx.world_size, ctx.device
 
     # 1. The last rank stays away from a collective on a group with a short timeout. Gloo only:
@@ -45,14 +47,14 @@ def main(args, ctx):
             returned = time.perf_counter()
             work.wait()  # the timeout is raised here
         except RuntimeError as error:  # Gloo: RuntimeError; dist.DistBackendError subclasses it
-            report = failure_report(start, returned, error)
+            report = failure_report(start, returned, error, args.fail_after)
     dist.barrier()  # on the world group: the last rank waits here for the others' failures
     print_in_order(check_report(report))
 
     # 2. N operations in flight on the (healthy) world group, then the same N one at a time.
     rows = []
     for n in args.in_flight:
-        tensors = [torch.full((args.size,), float(rank), device=dev) for _ in range(n)]
+        tensors = [torch.full((args.size,), rank + 1.0, device=dev) for _ in range(n)]
         before, start = memory_now(), time.perf_counter()
         works = [dist.all_reduce(x, async_op=True) for x in tensors]  # keep every handle
         issued, grown = time.perf_counter(), memory_now() - before
@@ -60,10 +62,10 @@ def main(args, ctx):
             work.wait()
         done = time.perf_counter()
         check_sums(tensors, world)
-        one_at_a_time = [torch.full((args.size,), float(rank), device=dev) for _ in range(n)]
+        one_at_a_time = [torch.full((args.size,), rank + 1.0, device=dev) for _ in range(n)]
         start_each = time.perf_counter()
         for x in one_at_a_time:
-            dist.all_reduce(x, async_op=True).wait()
+            dist.all_reduce(x)  # blocking: returns when x holds the sum
         each = time.perf_counter() - start_each
         check_sums(one_at_a_time, world)
         rows.append((n, n * tensors[0].nbytes, grown, issued - start, done - start, each))
@@ -71,23 +73,29 @@ def main(args, ctx):
     failed = "failed in wait(), not in the call" if gloo else f"not tried on {ctx.backend}"
     print0(
         f"OK: the missing rank's all_reduce {failed}; {len(rows)} "
-        f"batches of async all_reduces in flight summed to {sum(range(world))} everywhere"
+        f"batches of async all_reduces in flight summed to {sum(range(1, world + 1))} everywhere"
     )
 
 
 # ---- The lesson ends here. What follows is how it checks itself. ----
 
 
-def failure_report(start, returned, error):
-    """The call must have returned a Work before anything failed: the error came from wait()."""
-    first = str(error).splitlines()[0]
+def failure_report(start, returned, error, fail_after):
+    """The call must have returned a Work before anything failed: the error came from wait(); and it
+    is the timeout asked for, --fail-after seconds after the call, not earlier (a timeout typed in,
+    or in other units, fails sooner)."""
+    first, waited = str(error).splitlines()[0], time.perf_counter() - start
     if returned is None:
         raise RuntimeError(f"the all_reduce call itself raised, not wait(): {first}")
     if "Timed out" not in first and "timeout" not in first.lower():
         raise RuntimeError(f"wait() raised something other than a timeout: {first}")
+    if waited < fail_after:
+        raise RuntimeError(
+            f"wait() raised {waited:.2f} s after the call, before --fail-after {fail_after:g} s"
+        )
     return (
         f"all_reduce(async_op=True) returned a Work in {1e3 * (returned - start):.1f} ms; "
-        f"wait() raised {type(error).__name__} {time.perf_counter() - start:.1f} s later: {first}"
+        f"wait() raised {type(error).__name__} {waited:.1f} s later: {first}"
     )
 
 
@@ -98,8 +106,9 @@ def check_report(report):
 
 
 def check_sums(tensors, world):
-    """Each rank filled its tensors with its rank: every element must be 0 + 1 + ... + world-1."""
-    want = float(sum(range(world)))
+    """Each rank filled its tensors with its rank + 1 (not its rank: rank 0's zeros would let MAX
+    pass for SUM at 2 ranks): every element must be 1 + 2 + ... + world."""
+    want = float(sum(range(1, world + 1)))
     for i, x in enumerate(tensors):
         if not bool((x == want).all()):
             raise RuntimeError(f"tensor {i} of {len(tensors)}: {x[:4].tolist()}, expected {want}")

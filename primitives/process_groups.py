@@ -38,7 +38,7 @@ def main(args, ctx):
     mine = 0 if rank < world // 2 else 1
     group, members = check_backend(groups[mine], ctx), halves[mine]
 
-    t = 100 * rank + torch.arange(n, dtype=torch.float32, device=dev)
+    t = torch.arange(n, dtype=torch.float32, device=dev) - 100 * (rank + 1)  # sums < 0
     dist.all_reduce(t, group=group)  # within my half only
     where = [
         (dist.get_group_rank(group, g), dist.get_global_rank(group, i))
@@ -46,7 +46,7 @@ def main(args, ctx):
     ]
     check_half(t, where, members, n, mine, dist.get_rank(group))
 
-    # Share both halves' results with everyone: one slot per group, MAX over the world.
+    # Share both halves' results: a slot per group, -inf (not 0: sums < 0) elsewhere, MAX over all.
     slots = torch.full((2, n), float("-inf"), device=dev)
     slots[mine] = t
     by_max = slots.clone()
@@ -67,7 +67,7 @@ def main(args, ctx):
     k = args.subgroup_size
     if world % k == 0:
         sub, _ = dist.new_subgroups(group_size=k)
-        s = torch.tensor([float(rank)], device=dev)
+        s = torch.tensor([rank + 1.0], device=dev)
         dist.all_reduce(s, group=sub)
         check_subgroup(s, rank, k)
     else:
@@ -82,7 +82,9 @@ def main(args, ctx):
 
 
 def sum_of(members, n):
-    return sum(100 * r + torch.arange(n, dtype=torch.float32, device="cpu") for r in members)
+    """Negative sums (element 0 always): were the empty slots 0 instead of MAX's identity -inf, MAX
+    would return 0 for them, which data >= 0 could not tell from the right answer."""
+    return sum(torch.arange(n, dtype=torch.float32, device="cpu") - 100 * (r + 1) for r in members)
 
 
 def check_backend(group, ctx):
@@ -134,12 +136,13 @@ def check_non_member(group_rank, probe, rank, other):
 
 
 def check_subgroup(s, rank, k):
+    """Each rank gave its rank + 1 (rank 0's 0 would let MAX pass for SUM)."""
     first = rank - rank % k
-    if s.item() != sum(range(first, first + k)):
+    if s.item() != sum(range(first + 1, first + k + 1)):
         raise RuntimeError(
-            f"subgroup sum {s.item()} is not the sum of ranks {first}..{first + k - 1}"
+            f"subgroup sum {s.item()} is not the sum of ranks + 1 over {first}..{first + k - 1}"
         )
-    print_in_order(f"new_subgroups({k}): my subgroup sums ranks to {s.item():g}")
+    print_in_order(f"new_subgroups({k}): my subgroup sums ranks + 1 to {s.item():g}")
 
 
 if __name__ == "__main__":

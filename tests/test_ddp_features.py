@@ -107,6 +107,21 @@ def test_benchmark_batch_must_divide():
     )
 
 
+def test_powersgd_rank_that_would_compress_nothing_is_refused():
+    """PowerSGD sends a width x width matrix whole unless 4 r < width (_should_compress): refused
+    in one line on every rank, not failed later by the bytes check."""
+    result = run_lesson(
+        "ddp_basics/ddp_comm_hooks.py",
+        "--powersgd-rank",
+        "16",
+        nproc=2,
+        launcher="warm",
+        timeout=TIMEOUT,
+    )
+    assert_fails(result, "needs --powersgd-rank < --width / 4", within=2)
+    assert "Traceback" not in result.output, result
+
+
 def test_unused_parameters_batch_must_divide():
     assert_fails(
         run_lesson(

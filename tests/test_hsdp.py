@@ -1,8 +1,8 @@
 """Issue 15: HSDP (fsdp_basics/hsdp.py). `python lesson.py --nproc 2` as 2x1, the warm launcher at 4
-ranks (2x2), as 1x2 and at 1 rank; a --replicas that does not divide the world is refused. The
-mistakes its checks catch (mesh["shard"] where the 2-D mesh was meant, with and without the first
-check loosened; one probe batch for every replica; a transposed mesh; swapped dim names) are rows
-of tests/test_mutations.py."""
+ranks (2x2), as 1x2 (--replicas 1) and at 1 rank; a --replicas that does not divide the world is
+refused. The mistakes its checks catch (mesh["shard"] where the 2-D mesh was meant, with and
+without the first check loosened; one probe batch for every replica; a transposed mesh; swapped dim
+names) are rows of tests/test_mutations.py."""
 
 import json
 import re
@@ -26,7 +26,8 @@ def test_hsdp(nproc, replicas, launcher):
     args = ["--replicas", str(replicas)] if replicas else []
     result = run_lesson(LESSON, *args, nproc=nproc, launcher=launcher, timeout=T)
     ok = assert_ok(result)
-    R = replicas or (2 if nproc % 2 == 0 and nproc >= 4 else 1)  # the lesson's default
+    # the lesson's default: the smallest divisor of N above 1 (1 at N = 1)
+    R = replicas or min((r for r in range(2, nproc + 1) if nproc % r == 0), default=1)
     S = nproc // R
     assert ok.startswith(f"OK: HSDP on {R}x{S} ranks trains like one process for 10 steps"), ok
     out = result.stdout

@@ -88,6 +88,31 @@ PRIMITIVES = [
         "sharing by MAX gave",
         nproc=3,
     ),
+    Mutation(  # the half's all_reduce on the world group: every rank sums everyone's data
+        "process_groups-half-summed-over-the-world",
+        "primitives/process_groups.py",
+        [("dist.all_reduce(t, group=group)", "dist.all_reduce(t)")],
+        "sum over [1, 2] gave",
+        nproc=3,
+    ),
+    Mutation(  # new_subgroups' group left out: at 4 ranks the world's sum, not the pair's
+        "process_groups-subgroup-left-out",
+        "primitives/process_groups.py",
+        [("dist.all_reduce(s, group=sub)", "dist.all_reduce(s)")],
+        "subgroup sum 10.0 is not the sum of ranks + 1 over",
+        nproc=4,
+    ),
+    Mutation(  # the empty slots 0, not MAX's identity -inf: only negative sums can show it
+        "process_groups-empty-slots-zero",
+        "primitives/process_groups.py",
+        [
+            (
+                'slots = torch.full((2, n), float("-inf"), device=dev)',
+                "slots = torch.zeros(2, n, device=dev)",
+            )
+        ],
+        "sharing by MAX gave",
+    ),
     Mutation(  # the mesh's dimensions swapped: the check reads the mesh built, not the request
         "device_mesh-dims-swapped",
         "primitives/device_mesh.py",
@@ -200,6 +225,26 @@ PRIMITIVES = [
         args=("--batch", "4"),
         quick=True,
     ),
+    # async_errors (issue 45): the data separate SUM from MAX; the failure is the timeout asked for
+    Mutation(  # rank + 1 in every element: at 2 ranks MAX gives 2, SUM 3 (rank 0's zeros hid it)
+        "async_errors-in-flight-max-not-sum",
+        "primitives/async_errors.py",
+        [
+            (
+                "works = [dist.all_reduce(x, async_op=True) for x in tensors]",
+                "works = [dist.all_reduce(x, dist.ReduceOp.MAX, async_op=True) for x in tensors]",
+            )
+        ],
+        "tensor 0 of 1: [2.0, 2.0, 2.0, 2.0], expected 3.0",
+        args=("--fail-after", "1"),
+    ),
+    Mutation(  # a timeout typed in instead of the one asked for: the failure comes too soon
+        "async_errors-timeout-typed-in",
+        "primitives/async_errors.py",
+        [("timedelta(seconds=args.fail_after)", "timedelta(seconds=1)")],
+        "before --fail-after 3 s",
+        args=("--fail-after", "3", "--in-flight", "1"),
+    ),
     # flight_recorder and rpc_pipeline (issue 31)
     Mutation(  # the analysis singles out the ranks that agree instead of the one outvoted
         "flight_recorder-majority-inverted",
@@ -222,6 +267,15 @@ PRIMITIVES = [
         "order: the record shows",
         nproc=3,
         args=("--fault", "order"),
+        timeout=240,
+    ),
+    Mutation(  # both stages on worker 1 where the lesson puts stage 2 on the last worker: the
+        # training is the same wherever the stages live, so only the owners can show it
+        "rpc_pipeline-stage-2-on-another-worker",
+        "primitives/rpc_pipeline.py",
+        [('rpc.remote(f"worker{ctx.world_size - 1}", Stage', 'rpc.remote("worker1", Stage')],
+        "the stages live on ['worker1', 'worker1'], not on ['worker1', 'worker2']",
+        nproc=3,
         timeout=240,
     ),
     Mutation(  # no distributed backward: the optimizer steps with no gradients
@@ -368,6 +422,26 @@ DDP_BASICS = [
         "(b) flat buckets by hand: parameters differ from one-process training",
         args=("--steps", "3", "--warmup", "1"),
     ),
+    # ddp_comm_hooks: a hook that does not compress, and PowerSGD left at its default start
+    Mutation(  # the plain hook registered under the fp16 name: full fp32 bytes
+        "ddp_comm_hooks-fp16-hook-not-registered",
+        "ddp_basics/ddp_comm_hooks.py",
+        [
+            (
+                '"fp16_compress_hook": (None, default_hooks.fp16_compress_hook)',
+                '"fp16_compress_hook": (None, default_hooks.allreduce_hook)',
+            )
+        ],
+        "fp16_compress_hook sent 18448 bytes, expected half of 18448",
+        args=("--steps", "10", "--target", "0"),
+    ),
+    Mutation(  # start_powerSGD_iter left at its default, 1000: the whole run is plain all_reduce
+        "ddp_comm_hooks-powersgd-never-starts",
+        "ddp_basics/ddp_comm_hooks.py",
+        [("start_powerSGD_iter=2", "start_powerSGD_iter=1000")],
+        "PowerSGD sent 18448 bytes, not fewer than 18448",
+        args=("--steps", "10", "--target", "0"),
+    ),
 ]
 
 
@@ -447,6 +521,14 @@ FSDP_BASICS = [
         [("block.set_modules_to_backward_prefetch(", "print(")],
         "True, explicit prefetch of 2: prefetched ",
     ),
+    Mutation(  # the backward list farthest block first: the same set, issued in the wrong order
+        "fsdp_overlap-backward-prefetch-farthest-first",
+        "fsdp_basics/fsdp_overlap.py",
+        [("blocks[max(0, i - prefetch) : i][::-1]", "blocks[max(0, i - prefetch) : i]")],
+        "True, explicit prefetch of 2: prefetched blocks.1 by blocks.0 (forward), blocks.2 by "
+        "blocks.0 (forward), blocks.2 by root (backward), blocks.0 by blocks.2 (backward), "
+        "blocks.1 by blocks.2 (backward); expected",
+    ),
     # zero_stages (was --skip-all-gather, --keep-full-grads; a SUM for the AVG: issue 32)
     Mutation(
         "zero_stages-all-gather-left-out",
@@ -470,6 +552,34 @@ FSDP_BASICS = [
             )
         ],
         "the averaged gradient slices differ from one process's gradient by",
+    ),
+    Mutation(  # Adam hides the N-times scale: only the check of the reduced gradient sees it
+        "zero_by_hand-sum-not-average",
+        "fsdp_basics/zero_by_hand.py",
+        [
+            (
+                "dist.reduce_scatter_single(grad_shard, full_grad, op=dist.ReduceOp.AVG)",
+                "dist.reduce_scatter_single(grad_shard, full_grad, op=dist.ReduceOp.SUM)",
+            )
+        ],
+        "the reduced gradient shards differ from one process's by",
+    ),
+    Mutation(  # the forward's full layer never freed: every gathered layer stays alive
+        "zero_by_hand-forward-gather-kept",
+        "fsdp_basics/zero_by_hand.py",
+        [
+            (
+                "full.untyped_storage().resize_(0)  # free the full layer now",
+                "pass  # free the full layer now",
+            )
+        ],
+        "a gathered layer outlived its use, or a rank holds more than 1/N of the state",
+    ),
+    Mutation(  # the shard a view of the whole flat layer: each rank keeps all of it
+        "zero_by_hand-shard-a-view-not-a-copy",
+        "fsdp_basics/zero_by_hand.py",
+        [("flat.chunk(ctx.world_size)[ctx.rank].clone()", "flat.chunk(ctx.world_size)[ctx.rank]")],
+        "a gathered layer outlived its use, or a rank holds more than 1/N of the state",
     ),
     # zero_redundancy_optimizer (was --leave-out-last; --skip-optimizer-load needs a checkpoint:
     # tests/test_zero_stages.py makes that mutation)
@@ -543,11 +653,11 @@ FSDP_BASICS = [
         nproc=4,
     ),
     Mutation(
-        "hsdp-mesh-transposed",  # (N/R, R) for (R, N/R): at 2 ranks DDP instead of FSDP
+        "hsdp-mesh-transposed",  # (N/R, R) for (R, N/R): at 2 ranks FSDP instead of replicas
         "fsdp_basics/hsdp.py",
         [("(R, ctx.world_size // R), mesh_dim_names", "(ctx.world_size // R, R), mesh_dim_names")],
-        "expected 3 all_reduce (replicate) and 3 reduce_scatter_single (shard), nothing on "
-        "another group; got 3 all_reduce (shard)",
+        "expected 3 all_reduce (replicate) and 0 reduce_scatter_single (shard), nothing on "
+        "another group; got 5 all_gather_single (replicate), 3 reduce_scatter_single (replicate)",
     ),
     Mutation(
         "hsdp-mesh-dim-names-swapped",  # trains as asked (FSDP reads dims by position)

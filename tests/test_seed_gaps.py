@@ -28,7 +28,7 @@ def test_async_error_surfaces_at_wait_and_in_flight_table_at_2_ranks():
     result = run_lesson(ASYNC, nproc=2, launcher="python", timeout=TIMEOUT)
     line = assert_ok(result)
     assert "failed in wait(), not in the call; 4 batches" in line, line
-    assert "summed to 1 everywhere" in line, line
+    assert "summed to 3 everywhere" in line, line  # 1 + 2: each rank sends its rank + 1
     # rank 0 waited for a collective rank 1 never joined: Gloo's timeout, raised by wait()
     failure = re.search(
         r"^\[rank 0\] all_reduce\(async_op=True\) returned a Work in .*$", result.stdout, re.M
@@ -54,6 +54,16 @@ def test_async_error_at_3_ranks_every_waiting_rank_sees_it():
             rf"^\[rank {rank}\] all_reduce\(async_op=True\) returned", result.stdout, re.M
         )
     assert "[rank 2] stayed away" in result.stdout, result
+
+
+def test_async_errors_refuses_a_fail_after_the_world_timeout_cannot_wait_for():
+    """The last rank waits in a barrier on the world group while the others wait --fail-after: a
+    world --timeout under twice that is refused in one line, not a Gloo timeout in the barrier."""
+    result = run_lesson(
+        ASYNC, "--fail-after", "4", "--timeout", "3", nproc=2, launcher="warm", timeout=TIMEOUT
+    )
+    assert_fails(result, "needs --fail-after <= --timeout / 2", within=2)
+    assert "Traceback" not in result.output, result
 
 
 def test_async_errors_checks_fail_when_the_lesson_is_wrong(tmp_path):

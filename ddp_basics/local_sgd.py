@@ -13,7 +13,8 @@ sync's bytes per step. Checks: a one-process simulation of every replica, the sa
 
 run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
-Docs: https://pytorch.org/docs/stable/distributed.algorithms.model_averaging.html
+PeriodicModelAverager has no docs page; its docstring and code:
+  https://github.com/pytorch/pytorch/blob/main/torch/distributed/algorithms/model_averaging/averagers.py
 """
 
 import copy
@@ -164,7 +165,7 @@ def check(runs, x, y, args, ctx):
     (Gloo adds the replicas in another order; torch's averager divides before its SUM), and 6e-6
     for DiLoCo at H = 1, whose 96 outer steps on top of AdamW's grow that rounding (measured on a
     CPU). --tol 1e-4; the mistakes tests/test_local_sgd.py makes in DiLoCo are off by 1e-2 to 1."""
-    tol, off = fp32_tolerance(args.tol), off_simulation(runs, x, y, args, ctx)
+    tol, off, failures = fp32_tolerance(args.tol), off_simulation(runs, x, y, args, ctx), []
     params = list(runs["sync SGD", 1][0].parameters())
     full = sum(p.numel() * p.element_size() for p in params)
     xt, yt = (t.to(ctx.device) for t in make_data(2000, seed=1))
@@ -173,7 +174,6 @@ def check(runs, x, y, args, ctx):
         f"replica(s), {args.steps} steps of {args.batch} examples each"
     )
     print0(f"{'method':15s} {'H':>3s} {'bytes/step':>10s} {'ms/step':>8s} {'loss':>7s}  |w - sim|")
-    failures = []
     for (method, h), (model, sent, seconds) in runs.items():
         name, across, d = f"{method} H={h}", spread(flat(model)), off[method, h]
         with torch.no_grad():
@@ -232,7 +232,7 @@ if __name__ == "__main__":
         "--outer-momentum",
         type=float_in(0, 0.999, low_open=True),
         default=0.5,
-        help="Nesterov; DiLoCo's 0.9 is for H = 500, and makes H = 1 diverge here",
+        help="Nesterov; the paper's 0.9 (lr 0.7, H = 500) diverges here at H = 1",
     )
     parser.add_argument(
         "--tol", type=float_in(0, 1), default=1e-4, help="max |weight difference| (float32)"

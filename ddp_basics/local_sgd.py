@@ -179,7 +179,7 @@ def check(runs, x, y, args, ctx):
         with torch.no_grad():
             loss = F.cross_entropy(model(xt), yt).item()
         print0(
-            f"{method:15s} {h:3d} {sent / args.steps:10.0f} {1e3 * seconds / args.steps:8.2f} "
+            f"{method:15s} {h:3d} {sent / args.steps:10.1f} {1e3 * seconds / args.steps:8.2f} "
             f"{loss:7.4f}  {d:.1e}"
         )
         if not d <= tol:  # `not <=`: a NaN fails too

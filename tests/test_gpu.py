@@ -161,6 +161,8 @@ LESSONS = {
     # any N: 100 samples pad at 3, 6, 7 and 8 GPUs, which it checks
     "ddp_basics/distributed_eval.py": ANY,
     "ddp_basics/ddp_overlap.py": ANY,  # any N: each rank trains on its own slice of generated data
+    # --steps 32: 11 trainings of 32 steps, then rank 0 simulates N replicas 6 times (reasoned)
+    "ddp_basics/local_sgd.py": dict(min_ranks=1, gloo_cuda=False, args=["--steps", "32"], extra=3),
     # N must divide --batch (48) since it reduce_scatters the batch
     "fsdp_basics/zero_by_hand.py": BATCH48,
     "fsdp_basics/fsdp_minimal.py": BATCH48,

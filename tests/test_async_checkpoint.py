@@ -140,7 +140,7 @@ def staged_checkpoint_equals_synchronous(module, tmp_path, monkeypatch):
 
     train_step()
     train_step()
-    module.save_checkpoint(tmp_path / "sync", model, optimizer, scheduler, 2, ctx)
+    module.save_checkpoint(tmp_path / "sync", (model, optimizer, scheduler), 2, ctx)
     released, write = threading.Event(), dcp.FileSystemWriter.write_data
 
     def held_write(self, plan, planner):  # a slow disk: nothing is written before step 3 is done
@@ -148,7 +148,7 @@ def staged_checkpoint_equals_synchronous(module, tmp_path, monkeypatch):
         return write(self, plan, planner)
 
     monkeypatch.setattr(dcp.FileSystemWriter, "write_data", held_write)
-    save = module.Checkpointer(tmp_path / "async", model, optimizer, scheduler, ctx, True)
+    save = module.Checkpointer(tmp_path / "async", (model, optimizer, scheduler), ctx, True)
     save(2)
     train_step()  # training goes on while the checkpoint of step 2 is written
     released.set()

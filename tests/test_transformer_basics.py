@@ -14,14 +14,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from harness import ROOT, assert_fails, assert_ok, run_command, run_lesson
+from harness import ROOT, assert_fails, assert_ok, mutant, run_command, run_lesson
 
 sys.path.insert(0, str(ROOT / "transformer_basics"))
 # transformer_basics/ modules, imported in this process: no ranks needed
 import checkpointing  # noqa: E402
 import data  # noqa: E402
 import generate  # noqa: E402
-from launch.devices import UsageError  # noqa: E402
+from launch.dist_setup import UsageError  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 TIMEOUT = 240
@@ -148,6 +148,16 @@ def test_train_loss_falls_and_resume_is_exact(parallel, nproc, extra, whole_run,
     # the same final validation loss, to the printed digit
     assert losses(resumed.stdout)[1][1] == val1
     assert_same_model(whole / "model.pt", tmp_path / "model.pt", f"{parallel} {extra} resumed")
+
+
+def test_ddp_check_fails_when_the_gradients_are_never_synced(tmp_path):
+    """train.py with every micro-batch under no_sync (a reader's slip in the accumulation): DDP
+    never all-reduces, the replicas drift apart, and check_replicas_agree says so."""
+    sync = 'with model.no_sync() if args.parallel == "ddp" and not last else nullcontext():'
+    copy = mutant(tmp_path, TRAIN, (sync, "with model.no_sync():"))
+    args = [*GPT_SMALL, "--steps", "3", "--n-layer", "1", "--out", tmp_path / "out"]
+    result = run_lesson(copy, *args, nproc=2, launcher="warm", timeout=TIMEOUT)
+    assert_fails(result, "DDP replicas diverged: parameters differ between ranks")
 
 
 def test_rng_restore_tolerates_a_missing_or_extra_device_state(capsys):

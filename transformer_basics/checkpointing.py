@@ -35,9 +35,10 @@ from torch.utils._pytree import tree_leaves
 from launch.dist_setup import print0
 
 
-def save_checkpoint(path, model, optimizer, scheduler, step, ctx):
-    """A collective: every rank calls it. path ending in .pt: torch.save; else a DCP directory."""
-    state = checkpoint_state(path, model, optimizer, scheduler, step, ctx)
+def save_checkpoint(path, stateful, step, ctx):
+    """A collective: every rank calls it. path ending in .pt: torch.save; else a DCP directory.
+    stateful: (model, optimizer, scheduler)."""
+    state = checkpoint_state(path, stateful, step=step, ctx=ctx)
     if Path(path).suffix != ".pt":  # DCP: every rank writes its own shards (replicas once)
         tmp = fresh_tmp(path, ctx)
         dcp.save(state, checkpoint_id=tmp)
@@ -49,7 +50,8 @@ def save_checkpoint(path, model, optimizer, scheduler, step, ctx):
         dist.barrier()  # nobody reads or rewrites the checkpoint before it is complete
 
 
-def checkpoint_state(path, model, optimizer, scheduler, step, ctx):
+def checkpoint_state(path, stateful, step, ctx):
+    model, optimizer, scheduler = stateful
     extra = {"scheduler": scheduler.state_dict(), "step": step, **rng_states(ctx.device)}
     if Path(path).suffix != ".pt":  # DCP's form: keyed by parameter name, for any wrapper
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -97,9 +99,9 @@ class Checkpointer:
     last (synchronous: nothing is left to train), first wait for it; only then is path moved to
     path.tmp's directory. .stalls: how long each save stopped training, the bytes it staged."""
 
-    def __init__(self, path, model, optimizer, scheduler, ctx, asynchronous=False):
+    def __init__(self, path, stateful, ctx, asynchronous=False):
         self.path, self.ctx, self.asynchronous = path, ctx, asynchronous
-        self.objects = (model, optimizer, scheduler)
+        self.stateful = stateful  # (model, optimizer, scheduler)
         self.pending, self.stalls = None, []  # async_save's Future; (step, kind, s, bytes)
         # The background write runs collectives of its own (it gathers the ranks' plans): they
         # get a group of their own, never interleaved with the training loop's on the default
@@ -116,13 +118,13 @@ class Checkpointer:
             self.stalls.append((step, "wait", time.perf_counter() - start, 0))
             start = time.perf_counter()
         if self.asynchronous and not last:
-            state = checkpoint_state(self.path, *self.objects, step, self.ctx)
+            state = checkpoint_state(self.path, self.stateful, step=step, ctx=self.ctx)
             tmp = fresh_tmp(self.path, self.ctx)
             # returns once the state is staged: training may change the weights from here on
             self.pending = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
             self.stalls.append((step, "async", time.perf_counter() - start, staged_bytes(state)))
         else:
-            save_checkpoint(self.path, *self.objects, step, self.ctx)
+            save_checkpoint(self.path, self.stateful, step=step, ctx=self.ctx)
             self.stalls.append((step, "sync", time.perf_counter() - start, 0))
 
 
@@ -137,8 +139,10 @@ def staged_bytes(state):
     return sum(storages.values())
 
 
-def load_checkpoint(path, model, optimizer, scheduler, ctx):
-    """Restore everything save_checkpoint wrote; return the step to go on from."""
+def load_checkpoint(path, stateful, ctx):
+    """Restore everything save_checkpoint wrote into stateful (model, optimizer, scheduler);
+    return the step to go on from."""
+    model, optimizer, scheduler = stateful
     check_fits(path, model, ctx)
     if os.path.isdir(path):  # DCP's directory
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -163,12 +167,12 @@ def load_checkpoint(path, model, optimizer, scheduler, ctx):
     return state["step"]
 
 
-def export_full_model(model, cfg, path, rank):
+def export_full_model(model, cfg, path):
     """The unsharded state dict, gathered on rank 0 and written for generate.py (a collective)."""
     full = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
-    if rank == 0:
+    if dist.get_rank() == 0:
         torch.save({"config": asdict(cfg), "model": full}, f"{path}.tmp")
         os.replace(f"{path}.tmp", path)  # a reader never sees half a file
 

@@ -10,9 +10,9 @@ on the global batch (float32). Measured: activations saved per rank against the 
 and the collectives of one step per rank.
 
     torchrun --nproc_per_node=2 transformer_basics/train_cp.py               # cp 2
-    python transformer_basics/train_cp.py --nproc 4                          # dp 2 x cp 2
     torchrun --nproc_per_node=8 transformer_basics/train_cp.py --cp 8 --block-size 4096 \
         --n-embd 256                                                         # 8 GPUs
+    python transformer_basics/train_cp.py --nproc 4                          # dp 2 x cp 2
 
 run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 

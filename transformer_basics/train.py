@@ -33,7 +33,7 @@ import training
 from checkpointing import Checkpointer, export_full_model, load_checkpoint
 from launch.dist_setup import lesson_parser, print0, run
 from model import GPT, config_from_args
-from train_checks import check_replicas_agree, print_stalls
+from train_checks import CheckedSaves, check_replicas_agree, check_resumed, print_stalls
 
 
 def main(args, ctx):
@@ -46,8 +46,8 @@ def main(args, ctx):
     ckpt = out / ("checkpoint" if args.parallel == "fsdp" or args.async_save else "checkpoint.pt")
     ctx.require(not args.resume or ckpt.exists(), f"--resume: no checkpoint at {ckpt}")
     ctx.require(args.save_every or not args.async_save, "--async-save needs --save-every N > 0")
-    ctx.require_writable_dir(out)  # makes it, and checks that this rank can write there
     train_tokens, val_tokens = data.load_tokens(args.data, args.block_size, ctx)
+    ctx.require_writable_dir(out)  # makes it, after the refusals: a refused run writes nothing
     # Rank r reads the r-th disjoint share of every step's windows (like DistributedSampler).
     shard = dict(rank=ctx.rank, world_size=ctx.world_size, seed=args.seed)
     train_data = data.ShardedWindows(train_tokens, args.block_size, **shard)
@@ -79,6 +79,8 @@ def main(args, ctx):
     optimizer, scheduler = training.make_optimizer(model, args)
     stateful = (model, optimizer, scheduler)  # what a checkpoint holds, with the step and the RNG
     start = load_checkpoint(ckpt, stateful, ctx) if args.resume else 0
+    if args.resume:  # the check: what was restored, against the checkpoint read back
+        check_resumed(ckpt, stateful, start=start, ctx=ctx)
     ctx.require(
         start < args.steps,
         f"--resume: the checkpoint is at step {start}, nothing left of --steps {args.steps}",
@@ -91,6 +93,8 @@ def main(args, ctx):
     )
     # --async-save: a save returns once the state is copied to CPU, written behind the training
     save = Checkpointer(ckpt, stateful, ctx, asynchronous=args.async_save)
+    if args.async_save:  # the check: the first asynchronous checkpoint, read back once written
+        save = CheckedSaves(save)
     bf16 = training.use_bf16(args, ctx)  # weights, gradients and AdamW stay float32
     autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=bf16)
 

@@ -34,7 +34,7 @@ from checkpointing import Checkpointer, export_full_model, load_checkpoint
 from launch.dist_setup import float_in, int_in, lesson_parser, print0, run
 from model import GPT, config_from_args
 from tensor_parallel import apply_tensor_parallel
-from train_checks import check_first_step
+from train_checks import check_first_step, check_resumed
 
 
 def main(args, ctx):
@@ -53,8 +53,8 @@ def main(args, ctx):
     out = Path(args.out)
     ckpt = out / "checkpoint"
     ctx.require(not args.resume or ckpt.exists(), f"--resume: no checkpoint at {ckpt}")
-    ctx.require_writable_dir(out)  # makes it, and checks that this rank can write there
     train_tokens, val_tokens = data.load_tokens(args.data, args.block_size, ctx)
+    ctx.require_writable_dir(out)  # makes it, after the refusals: a refused run writes nothing
     dp = ctx.world_size // tp
     mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     # The ranks of one tp row read the same windows: the data is sharded by dp rank.
@@ -79,6 +79,8 @@ def main(args, ctx):
     optimizer, scheduler = training.make_optimizer(model, args)
     stateful = (model, optimizer, scheduler)  # what a checkpoint holds, with the step and the RNG
     start = load_checkpoint(ckpt, stateful, ctx) if args.resume else 0
+    if args.resume:  # the check: what was restored, against the checkpoint read back
+        check_resumed(ckpt, stateful, start=start, ctx=ctx)
     ctx.require(
         start < args.steps,
         f"--resume: the checkpoint is at step {start}, nothing left of --steps {args.steps}",

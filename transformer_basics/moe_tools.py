@@ -17,10 +17,12 @@ def init_moe(args, layer):
     return rand(E, C, std=C**-0.5), rand(E, C, H, std=C**-0.5), rand(E, H, C, std=w2_std)
 
 
-def report(model, prof, first, local, mesh, args, ctx):
+def report(model, prof, mesh, args, ctx):
     """Per rank: its experts, (token, choice) rows to and from the other ep ranks (forward, all
     layers: backward sends as many), state bytes, collectives per step."""
     me, mlps = mesh["ep"].get_local_rank(), [block.mlp for block in model.blocks.values()]
+    local = args.experts // args.ep
+    first = me * local  # this rank's experts: first .. first + local - 1
     steps = list(zip(*(mlp.splits for mlp in mlps)))  # [step][layer] -> (sent, received, ran)
     sent, received = ([sum(sum(s[i]) - s[i][me] for s in step) for step in steps] for i in (0, 1))
     nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731

@@ -83,13 +83,15 @@ def main(args, ctx):
     torch.backends.cuda.matmul.fp32_precision = "ieee"  # never TF32 (the check's bound)
 
     mesh = init_device_mesh(ctx.device.type, (N // ep, ep), mesh_dim_names=("dp", "ep"))
-    windows = data.ShardedWindows(corpus, args.block_size, ctx.rank, N, args.seed)  # its own
+    shard = dict(rank=ctx.rank, world_size=N, seed=args.seed)  # each rank its own windows
+    windows = data.ShardedWindows(corpus, args.block_size, **shard)
     torch.manual_seed(args.seed)
     model = GPT(config_from_args(args)).to(ctx.device)
     reference = copy.deepcopy(model)  # for the check: the same dense weights
-    first = mesh["ep"].get_local_rank() * (E // ep)  # my experts: first .. first + E/ep - 1
+    ep_row, local = mesh["ep"].get_group(), E // ep  # the all_to_alls: within my ep row
+    first = mesh["ep"].get_local_rank() * local  # my experts: first .. first + local - 1
     for layer, block in model.blocks.items():
-        moe = MoE(*init_moe(args, layer), first, E // ep, args.top_k, mesh["ep"].get_group())
+        moe = MoE(*init_moe(args, layer), first=first, local=local, top_k=args.top_k, group=ep_row)
         block.mlp = moe.to(ctx.device)
     experts = [p for name, p in model.named_parameters() if name.endswith((".w1", ".w2"))]
     dense = [p for name, p in model.named_parameters() if not name.endswith((".w1", ".w2"))]
@@ -113,8 +115,8 @@ def main(args, ctx):
             optimizer.step()
             losses.append(loss.detach())
 
-    report(model, prof, first, E // ep, mesh, args, ctx)
-    check_against_one_process(reference, model, torch.stack(losses), corpus, first, args, ctx)
+    report(model, prof, mesh=mesh, args=args, ctx=ctx)
+    check_against_one_process(reference, model, losses, corpus=corpus, args=args, ctx=ctx)
 
 
 # ---- The lesson ends here. What follows is how it checks itself. ----
@@ -129,7 +131,7 @@ class OneProcessMoE(MoE):
         return every[expert, torch.arange(len(flat), device=flat.device).unsqueeze(1)]  # (T, k, C)
 
 
-def check_against_one_process(reference, model, losses, corpus, first, args, ctx):
+def check_against_one_process(reference, model, losses, corpus, args, ctx):
     """The same MoE GPT, same start, trained in this process on every rank's windows (one
     micro-batch per rank, each loss / N): every step's loss and the final parameters must match the
     ranks'. Both float32, so only rounding differs (the experts' kernels, the order of the
@@ -137,7 +139,8 @@ def check_against_one_process(reference, model, losses, corpus, first, args, ctx
     own (< 1: ulp <= 6e-8), compounding over the steps; --tol 2e-5 is 40 ulps of the loss, and a
     wrong gradient sum is off by 1e-2 (tests/test_mutations.py). A token whose k-th and (k+1)-th
     router probabilities tie within rounding could pick another expert: pick another --seed."""
-    N, local = ctx.world_size, args.experts // args.ep
+    N, local, losses = ctx.world_size, args.experts // args.ep, torch.stack(losses)
+    first = ctx.rank % args.ep * local  # the mesh is (dp, ep) in rank order: its ep index, x local
     for layer, block in reference.blocks.items():
         moe = OneProcessMoE(*init_moe(args, layer), 0, args.experts, args.top_k, None)
         block.mlp = moe.to(ctx.device)

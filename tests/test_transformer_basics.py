@@ -14,13 +14,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from harness import ROOT, assert_fails, assert_ok, run_command, run_lesson
+from harness import ROOT, assert_fails, assert_ok, mutant, run_command, run_lesson
 
 sys.path.insert(0, str(ROOT / "transformer_basics"))
 # transformer_basics/ modules, imported in this process: no ranks needed
 import checkpointing  # noqa: E402
 import data  # noqa: E402
 import generate  # noqa: E402
+import rng_state  # noqa: E402
 from launch.dist_setup import UsageError  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -150,15 +151,38 @@ def test_train_loss_falls_and_resume_is_exact(parallel, nproc, extra, whole_run,
     assert_same_model(whole / "model.pt", tmp_path / "model.pt", f"{parallel} {extra} resumed")
 
 
+def test_ddp_check_fails_when_the_gradients_are_never_synced(tmp_path):
+    """train.py with every micro-batch under no_sync (a reader's slip in the accumulation): DDP
+    never all-reduces, the replicas drift apart, and check_replicas_agree says so."""
+    sync = 'with model.no_sync() if args.parallel == "ddp" and not last else nullcontext():'
+    copy = mutant(tmp_path, TRAIN, (sync, "with model.no_sync():"))
+    args = [*GPT_SMALL, "--steps", "3", "--n-layer", "1", "--out", tmp_path / "out"]
+    result = run_lesson(copy, *args, nproc=2, launcher="warm", timeout=TIMEOUT)
+    assert_fails(result, "DDP replicas diverged: parameters differ between ranks")
+
+
+def test_resume_check_fails_when_the_optimizer_state_is_not_restored(whole_run, tmp_path):
+    """A copy whose resume loads the model but not the optimizer (AdamW would start again from
+    zero moments, and the loss alone barely shows it): the lesson's check of the resume
+    (train_checks.check_resumed) compares the optimizer state with the checkpoint's and stops."""
+    shutil.copytree(whole_run("ddp")[1], tmp_path / "out")
+    load = '        optimizer.load_state_dict(state["optimizer"])\n'
+    copy = mutant(tmp_path, TRAIN, (load, "        pass\n"), file="checkpointing.py")
+    args = [*GPT_SMALL, "--steps", "8", "--resume", "--out", tmp_path / "out"]
+    result = run_lesson(copy, *args, nproc=2, launcher="warm", timeout=TIMEOUT)
+    assert_fails(result, "--resume: after the resume, the state differs from the checkpoint")
+    assert "['optimizer']" in result.output
+
+
 def test_rng_restore_tolerates_a_missing_or_extra_device_state(capsys):
     cpu_state = torch.get_rng_state()
     # Written on the CPU, resumed on a GPU: no rng_cuda in the checkpoint (CUDA is never touched:
     # the state is missing, so this runs on a machine without a GPU too). It used to raise KeyError.
-    checkpointing.set_rng_states({"rng": cpu_state}, torch.device("cuda"))
+    rng_state.set_rng_states({"rng": cpu_state}, torch.device("cuda"))
     assert "the checkpoint has no rng_cuda" in capsys.readouterr().out
     # Written on a GPU, resumed on the CPU: rng_cuda is there but of no use.
     torch.manual_seed(123)
-    checkpointing.set_rng_states(
+    rng_state.set_rng_states(
         {"rng": cpu_state, "rng_cuda": torch.zeros(16, dtype=torch.uint8)}, torch.device("cpu")
     )
     assert "rng_cuda in the checkpoint not restored" in capsys.readouterr().out
@@ -283,6 +307,7 @@ def test_bad_data_gives_one_line_on_every_rank(tmp_path):
     # on 1 or 2 ranks: like torchrun, the launcher stops the other rank once one has failed
     assert_fails(result, "shorter than", within=2)
     assert 2 in result.rank_codes and "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()  # a refused run writes nothing
 
 
 def test_train_on_a_user_file_and_usage_errors(tmp_path):
@@ -292,10 +317,14 @@ def test_train_on_a_user_file_and_usage_errors(tmp_path):
     assert_ok(run_lesson(TRAIN, *args, nproc=1, launcher="warm", timeout=TIMEOUT))
     for args, message in [
         (["--parallel", "none"], "--parallel none trains one process"),
-        (["--resume", "--out", tmp_path / "nothing"], "--resume: no checkpoint"),
+        (["--resume"], "--resume: no checkpoint"),
+        (["--async-save"], "--async-save needs --save-every N > 0"),
+        (["--data", tmp_path / "no.txt"], "no.txt: no such file"),
     ]:
-        result = run_lesson(TRAIN, *args, nproc=2, launcher="warm", timeout=TIMEOUT)
+        out = tmp_path / "refused"
+        result = run_lesson(TRAIN, *args, "--out", out, nproc=2, launcher="warm", timeout=TIMEOUT)
         assert_fails(result, message, within=2)
+        assert not out.exists(), f"{args}: a refused run wrote {out}"
 
 
 # ---- tensor, pipeline and 2-D parallelism: equal to the unsharded model ----

@@ -6,8 +6,8 @@ checkpoint/ (FSDP, FSDP x TP, train.py --async-save): torch.distributed.checkpoi
 rank its own shards (a replica once) into one directory, read back by the shards each owns.
 Either way it is written under a temporary name, then renamed (checkpoint/ is a symbolic link
 switched by a rename): a crash never leaves half a checkpoint; Checkpointer can also write it in
-the background. export_full_model() gathers the
-unsharded weights for generate.py.
+the background. export_full_model() gathers the unsharded weights for generate.py. The RNG
+state: rng_state.py.
 
 Docs: https://pytorch.org/docs/stable/distributed.checkpoint.html
 """
@@ -32,12 +32,13 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._pytree import tree_leaves
 
-from launch.dist_setup import print0
+from rng_state import rng_states, saved_rng_slots, set_rng_states
 
 
-def save_checkpoint(path, model, optimizer, scheduler, step, ctx):
-    """A collective: every rank calls it. path ending in .pt: torch.save; else a DCP directory."""
-    state = checkpoint_state(path, model, optimizer, scheduler, step, ctx)
+def save_checkpoint(path, stateful, step, ctx):
+    """A collective: every rank calls it. path ending in .pt: torch.save; else a DCP directory.
+    stateful: (model, optimizer, scheduler)."""
+    state = checkpoint_state(path, stateful, step=step, ctx=ctx)
     if Path(path).suffix != ".pt":  # DCP: every rank writes its own shards (replicas once)
         tmp = fresh_tmp(path, ctx)
         dcp.save(state, checkpoint_id=tmp)
@@ -49,7 +50,8 @@ def save_checkpoint(path, model, optimizer, scheduler, step, ctx):
         dist.barrier()  # nobody reads or rewrites the checkpoint before it is complete
 
 
-def checkpoint_state(path, model, optimizer, scheduler, step, ctx):
+def checkpoint_state(path, stateful, step, ctx):
+    model, optimizer, scheduler = stateful
     extra = {"scheduler": scheduler.state_dict(), "step": step, **rng_states(ctx.device)}
     if Path(path).suffix != ".pt":  # DCP's form: keyed by parameter name, for any wrapper
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -97,9 +99,9 @@ class Checkpointer:
     last (synchronous: nothing is left to train), first wait for it; only then is path moved to
     path.tmp's directory. .stalls: how long each save stopped training, the bytes it staged."""
 
-    def __init__(self, path, model, optimizer, scheduler, ctx, asynchronous=False):
+    def __init__(self, path, stateful, ctx, asynchronous=False):
         self.path, self.ctx, self.asynchronous = path, ctx, asynchronous
-        self.objects = (model, optimizer, scheduler)
+        self.stateful = stateful  # (model, optimizer, scheduler)
         self.pending, self.stalls = None, []  # async_save's Future; (step, kind, s, bytes)
         # The background write runs collectives of its own (it gathers the ranks' plans): they
         # get a group of their own, never interleaved with the training loop's on the default
@@ -108,22 +110,27 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo") if mine else None
 
     def __call__(self, step, last=False):
+        self.wait()  # one write in flight at most
         start = time.perf_counter()
-        if self.pending is not None:  # one write in flight at most: wait for the previous one,
-            self.pending.result()  # until this rank's share of it is on disk,
-            self.pending = None
-            publish(f"{self.path}.tmp", self.path, self.ctx)  # and only then move path to it
-            self.stalls.append((step, "wait", time.perf_counter() - start, 0))
-            start = time.perf_counter()
         if self.asynchronous and not last:
-            state = checkpoint_state(self.path, *self.objects, step, self.ctx)
+            state = checkpoint_state(self.path, self.stateful, step=step, ctx=self.ctx)
             tmp = fresh_tmp(self.path, self.ctx)
             # returns once the state is staged: training may change the weights from here on
             self.pending = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
             self.stalls.append((step, "async", time.perf_counter() - start, staged_bytes(state)))
         else:
-            save_checkpoint(self.path, *self.objects, step, self.ctx)
+            save_checkpoint(self.path, self.stateful, step=step, ctx=self.ctx)
             self.stalls.append((step, "sync", time.perf_counter() - start, 0))
+
+    def wait(self):
+        """Wait for the write in flight, if any, until this rank's share of it is on disk; only
+        then move path to it (a collective)."""
+        if self.pending is not None:
+            start = time.perf_counter()
+            self.pending.result()
+            self.pending = None
+            publish(f"{self.path}.tmp", self.path, self.ctx)
+            self.stalls.append((None, "wait", time.perf_counter() - start, 0))
 
 
 def staged_bytes(state):
@@ -137,8 +144,10 @@ def staged_bytes(state):
     return sum(storages.values())
 
 
-def load_checkpoint(path, model, optimizer, scheduler, ctx):
-    """Restore everything save_checkpoint wrote; return the step to go on from."""
+def load_checkpoint(path, stateful, ctx):
+    """Restore everything save_checkpoint wrote into stateful (model, optimizer, scheduler);
+    return the step to go on from."""
+    model, optimizer, scheduler = stateful
     check_fits(path, model, ctx)
     if os.path.isdir(path):  # DCP's directory
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -163,12 +172,12 @@ def load_checkpoint(path, model, optimizer, scheduler, ctx):
     return state["step"]
 
 
-def export_full_model(model, cfg, path, rank):
+def export_full_model(model, cfg, path):
     """The unsharded state dict, gathered on rank 0 and written for generate.py (a collective)."""
     full = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
-    if rank == 0:
+    if dist.get_rank() == 0:
         torch.save({"config": asdict(cfg), "model": full}, f"{path}.tmp")
         os.replace(f"{path}.tmp", path)  # a reader never sees half a file
 
@@ -209,42 +218,3 @@ def check_fits(path, model, ctx):
             saved[name] == shape,
             f"--resume: {path} holds {name} of shape {saved[name]}, this model {shape}: {hint}",
         )
-
-
-# ---- RNG state: dropout must draw the same numbers after a resume ----
-
-
-def rng_states(device):
-    """The CPU generator's state and, on an accelerator, that device's own (dropout on a GPU draws
-    from the GPU's generator): both are CPU uint8 tensors, whichever device they describe."""
-    states = {"rng": torch.get_rng_state()}
-    if device.type != "cpu":
-        states[f"rng_{device.type}"] = torch.get_device_module(device).get_rng_state(device)
-    return states
-
-
-def set_rng_states(states, device):
-    """Restore rng_states(). A checkpoint written on a GPU and resumed on the CPU holds a GPU state
-    this run cannot use; one written on the CPU and resumed on a GPU lacks the GPU's. Neither stops
-    the resume: one line says so (only dropout's masks then differ from an uninterrupted run's)."""
-    torch.set_rng_state(states["rng"])
-    mine = f"rng_{device.type}"
-    if mine in states:
-        torch.get_device_module(device).set_rng_state(states[mine], device)
-    unused = ", ".join(sorted(k for k in states if k.startswith("rng_") and k != mine))
-    gap = f"{unused} in the checkpoint not restored (this run is on {device.type})"
-    if not unused and device.type != "cpu" and mine not in states:
-        gap = unused = f"the checkpoint has no {mine} (written on the CPU?)"
-    if unused:
-        print0(f"resume: {gap}; dropout masks differ from the uninterrupted run's")
-
-
-def saved_rng_slots(path):
-    """dcp.load fills only the keys it is given, and fails on a key the checkpoint lacks: so ask
-    the checkpoint's metadata which RNG states it holds, and make room for exactly those."""
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    return {
-        key: torch.empty(meta.size, dtype=meta.properties.dtype, device="cpu")
-        for key, meta in saved.items()
-        if key == "rng" or key.startswith("rng_")
-    }

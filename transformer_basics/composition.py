@@ -30,7 +30,6 @@ import copy
 import os
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
@@ -38,8 +37,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from composition_tools import batch, counting, saved_tensors, train_reference
-from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_order, run
+from composition_tools import batch, check_losses, counting, saved_tensors
+from launch.dist_setup import float_in, int_in, lesson_parser, print_in_order, run
 from model import GPT, add_model_args, config_from_args
 
 
@@ -148,39 +147,6 @@ def report_memory(reference, saved, args, ctx, graphs):
             f"[rank {ctx.rank}] checkpointed, yet {saved} bytes saved for backward, "
             f"not fewer than the plain model's {plain}"
         )
-
-
-def check_losses(reference, losses, args, ctx):
-    # equal batches on every rank: the average is the global mean loss
-    dist.all_reduce(losses, op=dist.ReduceOp.AVG)
-    ref32 = train_reference(reference, args, ctx, torch.float32)
-    # The composed run does the same float32 arithmetic in other orders (gradients summed across
-    # ranks, fused or reordered by the compiler); each order is off the exact result by about
-    # float32's own rounding, which we measure: float32 against float64, the same model without
-    # dropout (float64 draws other masks). 16x that.
-    no_dropout = [
-        train_reference(reference, args, ctx, t, False) for t in (torch.float32, torch.float64)
-    ]
-    rounding = (no_dropout[0] - no_dropout[1]).abs().max().item()
-    bound = 16 * max(rounding, torch.finfo(torch.float32).eps * ref32.abs().max().item())
-    diff = (losses.double().cpu() - ref32).abs().max().item()
-    compiled = f"compiled ({args.compile_backend})" if args.compile else "eager"
-    what = f"{args.parallel}, {'checkpointed' if args.ac else 'no AC'}, {compiled}"
-    print0(
-        f"losses {', '.join(f'{v:.6f}' for v in losses.tolist())}; "
-        f"one process {', '.join(f'{v:.6f}' for v in ref32.tolist())}\n"
-        f"max difference {diff:.1e}, bound {bound:.1e} (16 x measured float32 rounding "
-        f"{rounding:.1e})"
-    )
-    if not diff <= bound:
-        raise RuntimeError(
-            f"[rank {ctx.rank}] {what}: losses differ from one process's plain model by "
-            f"{diff:.1e} (bound {bound:.1e})"
-        )
-    print0(
-        f"OK: {what}{' in another order' if args.other_order else ''} on {ctx.world_size} "
-        f"rank(s): {args.steps} steps' losses equal the plain model on one process"
-    )
 
 
 def check_args(args, ctx):

@@ -1,12 +1,15 @@
 """What transformer_basics/composition.py measures and checks against: the graphs compiled, the
-bytes saved for backward, each rank's batch, and the plain model trained on one process. Not a
-lesson: imported."""
+bytes saved for backward, each rank's batch, and the plain model trained on one process, with
+the check of the losses against it. Not a lesson: imported."""
 
 import copy
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+from launch.dist_setup import print0
 
 
 def counting(backend, graphs):
@@ -71,3 +74,37 @@ def train_reference(model, args, ctx, dtype, dropout=True):
         optimizer.step()
         optimizer.zero_grad()
     return losses
+
+
+def check_losses(reference, losses, args, ctx):
+    """The composed run's losses against the plain model trained on one process."""
+    # equal batches on every rank: the average is the global mean loss
+    dist.all_reduce(losses, op=dist.ReduceOp.AVG)
+    ref32 = train_reference(reference, args, ctx, torch.float32)
+    # The composed run does the same float32 arithmetic in other orders (gradients summed across
+    # ranks, fused or reordered by the compiler); each order is off the exact result by about
+    # float32's own rounding, which we measure: float32 against float64, the same model without
+    # dropout (float64 draws other masks). 16x that.
+    no_dropout = [
+        train_reference(reference, args, ctx, t, False) for t in (torch.float32, torch.float64)
+    ]
+    rounding = (no_dropout[0] - no_dropout[1]).abs().max().item()
+    bound = 16 * max(rounding, torch.finfo(torch.float32).eps * ref32.abs().max().item())
+    diff = (losses.double().cpu() - ref32).abs().max().item()
+    compiled = f"compiled ({args.compile_backend})" if args.compile else "eager"
+    what = f"{args.parallel}, {'checkpointed' if args.ac else 'no AC'}, {compiled}"
+    print0(
+        f"losses {', '.join(f'{v:.6f}' for v in losses.tolist())}; "
+        f"one process {', '.join(f'{v:.6f}' for v in ref32.tolist())}\n"
+        f"max difference {diff:.1e}, bound {bound:.1e} (16 x measured float32 rounding "
+        f"{rounding:.1e})"
+    )
+    if not diff <= bound:
+        raise RuntimeError(
+            f"[rank {ctx.rank}] {what}: losses differ from one process's plain model by "
+            f"{diff:.1e} (bound {bound:.1e})"
+        )
+    print0(
+        f"OK: {what}{' in another order' if args.other_order else ''} on {ctx.world_size} "
+        f"rank(s): {args.steps} steps' losses equal the plain model on one process"
+    )

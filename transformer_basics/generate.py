@@ -4,7 +4,7 @@ train.py and train_2d.py end by gathering the unsharded weights (whatever the pa
 none, DDP, FSDP, FSDP x TP) into OUT/model.pt, with the model's configuration. Loading it
 needs no process group and no GPU, and torch.load(weights_only=True) runs no pickled code.
 
-    python transformer_basics/train.py && python transformer_basics/generate.py
+    torchrun --nproc_per_node=2 transformer_basics/train.py && python transformer_basics/generate.py
     python transformer_basics/generate.py --checkpoint runs/gpt_2d/model.pt --prompt "seven plus"
     python transformer_basics/generate.py --temperature 0     # greedy: the most likely byte
 

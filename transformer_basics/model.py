@@ -23,6 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from launch.dist_setup import float_in, int_in
+
 
 @dataclass
 class GPTConfig:
@@ -159,9 +161,6 @@ def add_model_args(parser, **defaults):
     """--n-layer, --n-head, --n-embd, --block-size, --dropout; the GPT-2 small sizes in --help.
     The upper bounds are sane, not what fits: GPT-3 175B has 96 layers, 96 heads, 12288 wide
     (Brown et al. 2020, table 2.1)."""
-    # imported here, not at the top: the model itself needs nothing of this repository
-    from launch.dist_setup import float_in, int_in
-
     d = {**GPTConfig().__dict__, **defaults}
     g = parser.add_argument_group(
         "model (GPT-2 small: --n-layer 12 --n-head 12 --n-embd 768 --block-size 1024)"

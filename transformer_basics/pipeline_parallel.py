@@ -36,17 +36,18 @@ from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_
 from model import GPT, add_model_args, config_from_args
 
 
-def cut_stage(model, rank, stages):
-    """Keep this stage's part of the model: the layers are shared out as evenly as possible.
-    Deleting (not re-wrapping) keeps parameter names, so they match the whole model's."""
+def cut_stage(model, stage, stages):
+    """Keep stage number `stage` (of `stages`) of the model: the layers are shared out as evenly as
+    possible. Deleting (not re-wrapping) keeps parameter names, so they match the whole model's.
+    (One stage a rank here, so stage is the rank; pipeline_schedules.py gives a rank two.)"""
     n = model.cfg.n_layer
-    mine = range(rank * n // stages, (rank + 1) * n // stages)
+    mine = range(stage * n // stages, (stage + 1) * n // stages)
     for name in list(model.blocks.keys()):
         if int(name) not in mine:
             del model.blocks[name]
-    if rank != 0:
+    if stage != 0:
         model.wte = model.wpe = None  # forward() then takes hidden states
-    if rank != stages - 1:
+    if stage != stages - 1:
         model.ln_f = model.lm_head = None  # forward() then returns hidden states
     return model
 

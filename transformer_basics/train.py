@@ -1,27 +1,29 @@
 """Train the GPT of model.py on one process, with DDP, or with FSDP2 (--parallel none|ddp|fsdp).
 
-    python transformer_basics/train.py                        # DDP, 2 CPU ranks (or every GPU)
+    torchrun --nproc_per_node=2 transformer_basics/train.py                  # DDP, 2 ranks
     torchrun --nproc_per_node=2 transformer_basics/train.py --parallel fsdp
-    python transformer_basics/train.py --nproc 1 --parallel none
-    python transformer_basics/train.py --resume --steps 300   # go on from the checkpoint in --out
-    python transformer_basics/train.py --async-save --save-every 2  # checkpoints in the background
+    torchrun --nproc_per_node=2 transformer_basics/train.py --resume --steps 300  # from --out
+    torchrun --nproc_per_node=2 transformer_basics/train.py --async-save --save-every 2
     torchrun --nproc_per_node=8 transformer_basics/train.py --gpt2-small --data input.txt
+    python transformer_basics/train.py --nproc 1 --parallel none
 
-main() reads top to bottom as a training script: the data each rank reads, the model, the
-parallelism (the only lines train_2d.py changes), the optimizer, resume, the loop, the
-checkpoint. The loop (training.py: accumulation, clipping, bf16 autocast, eval) and the
-checkpoints (checkpointing.py: torch.save for none/ddp, torch.distributed.checkpoint for fsdp
-and --async-save, atomic, with the RNG state) are shared with train_2d.py.
+main() reads as a training script, top to bottom: the data each rank reads, the model, the
+parallelism (the lines train_2d.py changes), the optimizer, resume, then the loop (micro-batches,
+gradient sync, clipping, step, evaluation, checkpoints) inline, as in nanoGPT's train.py.
+training.py: optimizer, evaluation, progress bar, flags; checkpointing.py: torch.save (none,
+ddp), torch.distributed.checkpoint (fsdp, --async-save: in the background), atomic, with RNG.
 
 run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
 Docs: https://pytorch.org/docs/stable/notes/ddp.html, .../distributed.fsdp.fully_shard.html
 """
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -31,6 +33,7 @@ import training
 from checkpointing import Checkpointer, export_full_model, load_checkpoint
 from launch.dist_setup import lesson_parser, print0, run
 from model import GPT, config_from_args
+from train_checks import CheckedSaves, check_replicas_agree, check_resumed, print_stalls
 
 
 def main(args, ctx):
@@ -43,13 +46,12 @@ def main(args, ctx):
     ckpt = out / ("checkpoint" if args.parallel == "fsdp" or args.async_save else "checkpoint.pt")
     ctx.require(not args.resume or ckpt.exists(), f"--resume: no checkpoint at {ckpt}")
     ctx.require(args.save_every or not args.async_save, "--async-save needs --save-every N > 0")
-    ctx.require_writable_dir(out)  # makes it, and checks that this rank can write there
     train_tokens, val_tokens = data.load_tokens(args.data, args.block_size, ctx)
+    ctx.require_writable_dir(out)  # makes it, after the refusals: a refused run writes nothing
     # Rank r reads the r-th disjoint share of every step's windows (like DistributedSampler).
-    train_data = data.ShardedWindows(
-        train_tokens, args.block_size, ctx.rank, ctx.world_size, args.seed
-    )
-    val_data = data.ShardedWindows(val_tokens, args.block_size, ctx.rank, ctx.world_size, args.seed)
+    shard = dict(rank=ctx.rank, world_size=ctx.world_size, seed=args.seed)
+    train_data = data.ShardedWindows(train_tokens, args.block_size, **shard)
+    val_data = data.ShardedWindows(val_tokens, args.block_size, **shard)
 
     torch.manual_seed(args.seed)  # the same initial model on every rank (DDP broadcasts rank 0's)
     cfg = config_from_args(args)
@@ -67,8 +69,7 @@ def main(args, ctx):
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         blocks = list(model.blocks.values())
         for i, block in enumerate(blocks):
-            # one all-gather per block, freed after use; the last block's backward comes first:
-            # it stays gathered
+            # one all-gather per block, freed after use; not the last: its backward comes first
             fully_shard(block, mesh=mesh, reshard_after_forward=i < len(blocks) - 1)
         fully_shard(model, mesh=mesh)  # the rest (embeddings, final norm, head): the root's group
         for i, block in enumerate(blocks):  # gather the next block early: fsdp_overlap.py
@@ -76,56 +77,78 @@ def main(args, ctx):
             block.set_modules_to_backward_prefetch(blocks[i - 1 : i] if i else [])
     # --------------------------------------------------------------------
     optimizer, scheduler = training.make_optimizer(model, args)
-    start = load_checkpoint(ckpt, model, optimizer, scheduler, ctx) if args.resume else 0
+    stateful = (model, optimizer, scheduler)  # what a checkpoint holds, with the step and the RNG
+    start = load_checkpoint(ckpt, stateful, ctx) if args.resume else 0
+    if args.resume:  # the check: what was restored, against the checkpoint read back
+        check_resumed(ckpt, stateful, start=start, ctx=ctx)
+    ctx.require(
+        start < args.steps,
+        f"--resume: the checkpoint is at step {start}, nothing left of --steps {args.steps}",
+    )
+    stop = min(args.steps, start + args.stop_after) if args.stop_after else args.steps
     resumed = f", resumed at step {start}" if args.resume else ""
     print0(
         f"model: {n_params / 1e6:.2f}M parameters, {cfg}; {args.parallel} on {ctx.world_size} "
         f"rank(s){resumed}"
     )
-
     # --async-save: a save returns once the state is copied to CPU, written behind the training
-    save = Checkpointer(ckpt, model, optimizer, scheduler, ctx, asynchronous=args.async_save)
-    result = training.fit(model, optimizer, scheduler, train_data, val_data, start, args, ctx, save)
-    save(result.stop, last=True)  # waits for the write in flight; this one is synchronous
-    export_full_model(model, cfg, out / "model.pt", ctx.rank)  # a collective: every rank
+    save = Checkpointer(ckpt, stateful, ctx, asynchronous=args.async_save)
+    if args.async_save:  # the check: the first asynchronous checkpoint, read back once written
+        save = CheckedSaves(save)
+    bf16 = training.use_bf16(args, ctx)  # weights, gradients and AdamW stay float32
+    autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=bf16)
+
+    def evaluate():  # a collective: every rank evaluates its share of the held-out windows
+        return training.evaluate(model, val_data, args=args, ctx=ctx)
+
+    val_first = evaluate()
+    tokens = args.batch_size * args.accum * args.block_size * ctx.world_size  # per step
+    progress = training.Progress(range(start, stop), tokens_per_step=tokens, args=args, ctx=ctx)
+    for step in progress:  # rank 0 shows a bar
+        loss_sum = torch.zeros((), device=ctx.device)
+        for micro in range(args.accum):
+            x, y = train_data.batch(step, micro, batch_size=args.batch_size, accum=args.accum)
+            x, y = data.to_device(x, ctx.device), data.to_device(y, ctx.device)
+            # Backward syncs the gradients on the last micro-batch only; before, each rank adds
+            # them up locally: DDP skips its all_reduce, FSDP its reduce-scatter.
+            last = micro == args.accum - 1
+            if args.parallel == "fsdp":
+                model.set_requires_gradient_sync(last)
+            with model.no_sync() if args.parallel == "ddp" and not last else nullcontext():
+                with autocast:
+                    logits = model(x)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / args.accum
+                loss.backward()
+            loss_sum += loss.detach()  # stays on the device: no host sync per step
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % args.log_every == 0 or step == stop - 1:  # the only host syncs: when logging
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # the mean over the ranks' batches
+            progress.log(step, loss_sum.item(), scheduler.get_last_lr()[0])
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < stop:
+            save(step + 1)
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < stop:
+            progress.write(f"step {step + 1}: val loss {evaluate():.3f}")
+    val_last = evaluate()
+    save(stop, last=True)  # waits for the write in flight; this one is synchronous
+    export_full_model(model, cfg, out / "model.pt")  # a collective: every rank
 
     if args.parallel == "ddp":
         check_replicas_agree(model)
-    training.print_summary(result, f"{args.parallel} x{ctx.world_size}", flops_per_token, ctx)
+    label = f"{args.parallel} x{ctx.world_size}"
+    progress.print_summary(label, (val_first, val_last), flops_per_token)
     print_stalls(save.stalls)
     training.print_sample(out / "model.pt", args, ctx)
-    training.check_loss_fell(result)
+    training.check_loss_fell(val_first, val_last)
     print0(
-        f"OK: {args.parallel} on {ctx.world_size} rank(s) trained steps {start}..{result.stop - 1},"
-        f" val loss {result.val_first:.3f} -> {result.val_last:.3f}; checkpoint {ckpt}, model "
-        f"{out / 'model.pt'}"
+        f"OK: {args.parallel} on {ctx.world_size} rank(s) trained steps {start}..{stop - 1}, "
+        f"val loss {val_first:.3f} -> {val_last:.3f}; checkpoint {ckpt}, model {out / 'model.pt'}"
     )
 
 
 # ---- The lesson ends here. What follows is how it checks itself. ----
-
-
-def check_replicas_agree(model):
-    """DDP's promise: every replica holds the same parameters, to the bit."""
-    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-    low, high = flat.clone(), flat.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    if not torch.equal(low, high):
-        raise RuntimeError("DDP replicas diverged: parameters differ between ranks")
-
-
-def print_stalls(stalls):
-    """What the saves cost the loop: the time each stopped it, and the CPU copy each staged."""
-    ms = {k: [s * 1e3 for _, kind, s, _ in stalls if kind == k] for k in ("sync", "async", "wait")}
-    if ms["async"]:
-        steps = ", ".join(str(step) for step, kind, _, _ in stalls if kind == "async")
-        print0(
-            f"checkpoint stall: synchronous save {max(ms['sync']):.1f} ms, asynchronous "
-            f"{sum(ms['async']) / len(ms['async']):.1f} ms (mean of steps {steps}) + "
-            f"{sum(ms['wait']):.1f} ms in all waiting for a write in flight; staged copy "
-            f"{max(n for *_, n in stalls) / 2**20:.2f} MiB of CPU memory per rank until written"
-        )
 
 
 def parse_args(argv=None):

@@ -1,9 +1,9 @@
 """Train the GPT with FSDP and tensor parallelism together, on a 2-D device mesh (dp x tp).
 
     torchrun --nproc_per_node=4 transformer_basics/train_2d.py      # 2 x 2 on CPU
-    python transformer_basics/train_2d.py --nproc 4 --tp 2 --sequence-parallel
     torchrun --nnodes=2 --nproc_per_node=8 ... transformer_basics/train_2d.py --tp 4 --gpt2-small
                                                  # TP inside a node, FSDP across the nodes
+    python transformer_basics/train_2d.py --nproc 4 --tp 2 --sequence-parallel
 
 The ranks form a dp x tp grid. Along tp (ranks of one row, best within one node: TP talks
 in every layer) each block's matrices are split as in tensor_parallel.py; along dp (the
@@ -23,45 +23,45 @@ import copy
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 import data
 import training
-from checkpointing import export_full_model, load_checkpoint, save_checkpoint
+from checkpointing import Checkpointer, export_full_model, load_checkpoint
 from launch.dist_setup import float_in, int_in, lesson_parser, print0, run
 from model import GPT, config_from_args
 from tensor_parallel import apply_tensor_parallel
+from train_checks import check_first_step, check_resumed
 
 
 def main(args, ctx):
-    args.tp = args.tp or (2 if ctx.world_size % 2 == 0 else 1)  # 1 x 1, 2 x 1, 2 x 2, 4 x 2 ...
+    tp = args.tp or (2 if ctx.world_size % 2 == 0 else 1)  # 1 x 1, 2 x 1, 2 x 2, 4 x 2 ...
     ctx.require(
-        ctx.world_size % args.tp == 0,
-        f"{ctx.world_size} ranks do not form a grid with --tp {args.tp}: "
+        ctx.world_size % tp == 0,
+        f"{ctx.world_size} ranks do not form a grid with --tp {tp}: "
         f"the world size must be a multiple of --tp",
     )
+    ctx.require(args.n_head % tp == 0, f"--n-head {args.n_head} must be a multiple of --tp {tp}")
     ctx.require(
-        args.n_head % args.tp == 0, f"--n-head {args.n_head} must be a multiple of --tp {args.tp}"
-    )
-    ctx.require(
-        not args.sequence_parallel or args.block_size % args.tp == 0,
-        f"--sequence-parallel: --block-size {args.block_size} must be a multiple of --tp {args.tp}",
+        not args.sequence_parallel or args.block_size % tp == 0,
+        f"--sequence-parallel: --block-size {args.block_size} must be a multiple of --tp {tp}",
     )
     training.check_args(args, ctx)
     out = Path(args.out)
     ckpt = out / "checkpoint"
     ctx.require(not args.resume or ckpt.exists(), f"--resume: no checkpoint at {ckpt}")
-    ctx.require_writable_dir(out)  # makes it, and checks that this rank can write there
     train_tokens, val_tokens = data.load_tokens(args.data, args.block_size, ctx)
-    dp = ctx.world_size // args.tp
-    mesh = init_device_mesh(ctx.device.type, (dp, args.tp), mesh_dim_names=("dp", "tp"))
+    ctx.require_writable_dir(out)  # makes it, after the refusals: a refused run writes nothing
+    dp = ctx.world_size // tp
+    mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     # The ranks of one tp row read the same windows: the data is sharded by dp rank.
     dp_rank = mesh["dp"].get_local_rank()
-    train_data = data.ShardedWindows(train_tokens, args.block_size, dp_rank, dp, args.seed)
-    val_data = data.ShardedWindows(val_tokens, args.block_size, dp_rank, dp, args.seed)
+    shard = dict(rank=dp_rank, world_size=dp, seed=args.seed)
+    train_data = data.ShardedWindows(train_tokens, args.block_size, **shard)
+    val_data = data.ShardedWindows(val_tokens, args.block_size, **shard)
 
     torch.manual_seed(args.seed)  # the same initial model on every rank: each keeps its part
     cfg = config_from_args(args)
@@ -77,31 +77,65 @@ def main(args, ctx):
     fully_shard(model, mesh=mesh["dp"])
     # --------------------------------------------------------------------
     optimizer, scheduler = training.make_optimizer(model, args)
-    start = load_checkpoint(ckpt, model, optimizer, scheduler, ctx) if args.resume else 0
+    stateful = (model, optimizer, scheduler)  # what a checkpoint holds, with the step and the RNG
+    start = load_checkpoint(ckpt, stateful, ctx) if args.resume else 0
+    if args.resume:  # the check: what was restored, against the checkpoint read back
+        check_resumed(ckpt, stateful, start=start, ctx=ctx)
+    ctx.require(
+        start < args.steps,
+        f"--resume: the checkpoint is at step {start}, nothing left of --steps {args.steps}",
+    )
+    stop = min(args.steps, start + args.stop_after) if args.stop_after else args.steps
     resumed = f", resumed at step {start}" if args.resume else ""
-    print0(
-        f"model: {n_params / 1e6:.2f}M parameters, {cfg}; fsdp+tp on a {dp}x{args.tp} mesh{resumed}"
-    )
+    print0(f"model: {n_params / 1e6:.2f}M parameters, {cfg}; fsdp+tp on a {dp}x{tp} mesh{resumed}")
     if reference is not None:
-        check_first_step(model, reference, train_data, args, ctx)
+        check_first_step(model, reference, windows=train_data, args=args, ctx=ctx)
         del reference
+    save = Checkpointer(ckpt, stateful, ctx)
+    bf16 = training.use_bf16(args, ctx)  # weights, gradients and AdamW stay float32
+    autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=bf16)
 
-    def save(step):  # a collective: every rank calls it
-        save_checkpoint(ckpt, model, optimizer, scheduler, step, ctx)
+    def evaluate():  # a collective: every rank evaluates its share of the held-out windows
+        return training.evaluate(model, val_data, args=args, ctx=ctx)
 
-    result = training.fit(
-        model, optimizer, scheduler, train_data, val_data, start, args, ctx, save, clip_grad_norm_2d
-    )
-    save(result.stop)
-    export_full_model(model, cfg, out / "model.pt", ctx.rank)  # a collective: every rank
+    val_first = evaluate()
+    tokens = args.batch_size * args.accum * args.block_size * dp  # per step: a row reads alike
+    progress = training.Progress(range(start, stop), tokens_per_step=tokens, args=args, ctx=ctx)
+    for step in progress:  # rank 0 shows a bar
+        loss_sum = torch.zeros((), device=ctx.device)
+        for micro in range(args.accum):
+            x, y = train_data.batch(step, micro, batch_size=args.batch_size, accum=args.accum)
+            x, y = data.to_device(x, ctx.device), data.to_device(y, ctx.device)
+            # FSDP reduce-scatters the gradients over dp on the last micro-batch only; TP's
+            # all-reduces (inside the forward and backward of every block) run every time.
+            model.set_requires_gradient_sync(micro == args.accum - 1)
+            with autocast:
+                logits = model(x)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / args.accum
+            loss.backward()
+            loss_sum += loss.detach()  # stays on the device: no host sync per step
+        clip_grad_norm_2d(model, args.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % args.log_every == 0 or step == stop - 1:  # the only host syncs: when logging
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # the mean over the ranks' batches
+            progress.log(step, loss_sum.item(), scheduler.get_last_lr()[0])
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < stop:
+            save(step + 1)
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < stop:
+            progress.write(f"step {step + 1}: val loss {evaluate():.3f}")
+    val_last = evaluate()
+    save(stop, last=True)
+    export_full_model(model, cfg, out / "model.pt")  # a collective: every rank
 
-    training.print_summary(result, f"fsdp+tp {dp}x{args.tp}", flops_per_token, ctx)
+    label = f"fsdp+tp {dp}x{tp}"
+    progress.print_summary(label, (val_first, val_last), flops_per_token)
     training.print_sample(out / "model.pt", args, ctx)
-    training.check_loss_fell(result)
+    training.check_loss_fell(val_first, val_last)
     print0(
-        f"OK: fsdp+tp on a {dp}x{args.tp} mesh trained steps {start}..{result.stop - 1}, "
-        f"val loss {result.val_first:.3f} -> {result.val_last:.3f}; checkpoint {ckpt}, model "
-        f"{out / 'model.pt'}"
+        f"OK: fsdp+tp on a {dp}x{tp} mesh trained steps {start}..{stop - 1}, "
+        f"val loss {val_first:.3f} -> {val_last:.3f}; checkpoint {ckpt}, model {out / 'model.pt'}"
     )
 
 
@@ -122,46 +156,6 @@ def clip_grad_norm_2d(model, max_norm):
 
 
 # ---- The lesson ends here. What follows is how it checks itself. ----
-
-
-def check_first_step(model, reference, train_data, args, ctx):
-    """Before training, on every rank and device: the 2-D model on this rank's windows and the
-    unsharded model on the whole global batch (every dp row's) must produce the same gradients.
-    In float32 without dropout (eval mode), whatever --dtype and --dropout train with: both models
-    are then the same function, so only the order of sums differs (reduce-scatter over dp, TP's
-    all_reduce, matmul splits), a few float32 ulps of each gradient, far below --tol 2e-5."""
-
-    def batches(windows):
-        return [
-            tuple(t.to(ctx.device) for t in windows.batch(0, micro, args.batch_size, args.accum))
-            for micro in range(args.accum)
-        ]
-
-    local = batches(train_data)
-    every_row = [
-        data.ShardedWindows(train_data.tokens, args.block_size, d, train_data.world_size, args.seed)
-        for d in range(train_data.world_size)
-    ]
-    whole = [batch for windows in every_row for batch in batches(windows)]
-    model.eval(), reference.eval()
-    for x, y in local:
-        (F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / len(local)).backward()
-    for x, y in whole:
-        (F.cross_entropy(reference(x).flatten(0, 1), y.flatten()) / len(whole)).backward()
-    worst = 0.0
-    for (name, p), ref_p in zip(model.named_parameters(), reference.parameters()):
-        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        worst = max(worst, (grad - ref_p.grad).abs().max().item())
-        if worst > args.tol:
-            raise RuntimeError(
-                f"first step: gradient of {name} differs from the unsharded model's by {worst:.2e}"
-            )
-    model.zero_grad(set_to_none=True)
-    model.train()
-    print0(
-        "check: step 0's gradients (float32) equal the unsharded model's on the global batch "
-        f"(max diff {worst:.1e})"
-    )
 
 
 def parse_args(argv=None):

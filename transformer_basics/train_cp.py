@@ -10,9 +10,9 @@ on the global batch (float32). Measured: activations saved per rank against the 
 and the collectives of one step per rank.
 
     torchrun --nproc_per_node=2 transformer_basics/train_cp.py               # cp 2
-    python transformer_basics/train_cp.py --nproc 4                          # dp 2 x cp 2
     torchrun --nproc_per_node=8 transformer_basics/train_cp.py --cp 8 --block-size 4096 \
         --n-embd 256                                                         # 8 GPUs
+    python transformer_basics/train_cp.py --nproc 4                          # dp 2 x cp 2
 
 run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
@@ -33,6 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import data
 from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_order, run
+from measuring import activation_bytes
 from model import GPT, add_model_args, config_from_args
 from ring_attention import RingAttention, zigzag_positions
 
@@ -91,7 +92,8 @@ def main(args, ctx):
     mesh = init_device_mesh(ctx.device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
     cp_group, cp_rank = mesh["cp"].get_group(), mesh["cp"].get_local_rank()
     # The ranks of a cp row read the same windows; each keeps its zig-zag chunks of every window.
-    windows = data.ShardedWindows(tokens, T, mesh["dp"].get_local_rank(), dp, args.seed)
+    shard = dict(rank=mesh["dp"].get_local_rank(), world_size=dp, seed=args.seed)
+    windows = data.ShardedWindows(tokens, T, **shard)
     pos = zigzag_positions(cp_rank, cp, T)  # CPU: it indexes the CPU batches
     torch.manual_seed(args.seed)
     gpt = GPT(config_from_args(args)).to(ctx.device)
@@ -114,17 +116,21 @@ def main(args, ctx):
         optimizer.zero_grad()
         losses.append(loss.detach())
 
-    print_collectives(model, x, y, pos_ids, mesh, pos, args)
-    print_activation_memory(args, ctx, start, model.module, cp_rank)
-    check_against_one_process(args, ctx, start, model.module.gpt, torch.stack(losses), tokens, dp)
+    print_collectives(model, (x, y, pos_ids), mesh=mesh, args=args)
+    print_activation_memory(start, model.module, mesh=mesh, args=args, ctx=ctx)
+    losses = torch.stack(losses)
+    check_against_one_process(start, model.module.gpt, losses, tokens=tokens, args=args, ctx=ctx)
 
 
 # ---- The lesson ends here. What follows is how it checks itself. ----
 
 
-def print_collectives(model, x, y, pos_ids, mesh, pos, args):
-    """One more forward and backward (gradients thrown away) under torch.profiler, counting the
-    c10d ops that the dispatcher runs whatever the backend (torch/csrc/distributed/c10d/Ops.cpp)."""
+def print_collectives(model, batch, mesh, args):
+    """One more forward and backward of batch (x, y, position ids; gradients thrown away) under
+    torch.profiler, counting the c10d ops that the dispatcher runs whatever the backend
+    (torch/csrc/distributed/c10d/Ops.cpp)."""
+    x, y, pos_ids = batch
+    pos = zigzag_positions(mesh["cp"].get_local_rank(), args.cp, args.block_size)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         F.cross_entropy(model(x, pos_ids).flatten(0, 1), y.flatten()).backward()
     model.zero_grad(set_to_none=True)
@@ -139,10 +145,10 @@ def print_collectives(model, x, y, pos_ids, mesh, pos, args):
     )
 
 
-def print_activation_memory(args, ctx, start, model, cp_rank):
+def print_activation_memory(start, model, mesh, args, ctx):
     """Forward and loss of one batch at 1/4, 1/2 and all of --block-size: whole windows on one
     process (start: model.py's GPT) against this rank's two chunks of them under cp (model)."""
-    B, cp = args.batch_size, args.cp
+    B, cp, cp_rank = args.batch_size, args.cp, mesh["cp"].get_local_rank()
     print0(f"activations saved for backward per rank, forward + loss of {B} window(s), KiB:")
     lengths = (args.block_size // 4, args.block_size // 2, args.block_size)
     for T in [t for t in lengths if t % (2 * cp) == 0]:
@@ -161,31 +167,9 @@ def print_activation_memory(args, ctx, start, model, cp_rank):
         )
 
 
-def activation_bytes(model, idx, pos, device):
-    """Bytes of the tensors autograd saves for backward, each storage once, parameters left out
-    (pack sees every one, save_for_backward's too: torch/autograd/graph.py); on CUDA also the peak
-    of max_memory_allocated."""
-    x, y = (t[:, pos].to(device) for t in (idx[:, :-1], idx[:, 1:]))
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen, cuda = {}, device.type == "cuda"
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in skip:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device) if cuda else 0
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = F.cross_entropy(model(x, pos.to(device)).flatten(0, 1), y.flatten())
-    peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
-    del loss  # held until here: no saved storage was freed, and its address reused, while counting
-    return sum(seen.values()), peak
-
-
-def check_against_one_process(args, ctx, start, gpt, losses, tokens, dp):
+def check_against_one_process(start, gpt, losses, tokens, args, ctx):
     """The same GPT, trained on one process on the global batch (every dp row's windows, whole)."""
+    dp = ctx.world_size // args.cp
     reference, B, initial = start, args.batch_size, [p.detach().clone() for p in start.parameters()]
     optimizer = torch.optim.SGD(reference.parameters(), lr=args.lr)
     rows = [data.ShardedWindows(tokens, args.block_size, d, dp, args.seed) for d in range(dp)]

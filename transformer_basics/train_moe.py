@@ -39,6 +39,7 @@ import data
 from expert_parallel import dispatch_to_experts
 from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_order, run
 from model import GPT, add_model_args, config_from_args
+from moe_tools import init_moe, report
 
 
 class MoE(nn.Module):
@@ -82,13 +83,15 @@ def main(args, ctx):
     torch.backends.cuda.matmul.fp32_precision = "ieee"  # never TF32 (the check's bound)
 
     mesh = init_device_mesh(ctx.device.type, (N // ep, ep), mesh_dim_names=("dp", "ep"))
-    windows = data.ShardedWindows(corpus, args.block_size, ctx.rank, N, args.seed)  # its own
+    shard = dict(rank=ctx.rank, world_size=N, seed=args.seed)  # each rank its own windows
+    windows = data.ShardedWindows(corpus, args.block_size, **shard)
     torch.manual_seed(args.seed)
     model = GPT(config_from_args(args)).to(ctx.device)
     reference = copy.deepcopy(model)  # for the check: the same dense weights
-    first = mesh["ep"].get_local_rank() * (E // ep)  # my experts: first .. first + E/ep - 1
+    ep_row, local = mesh["ep"].get_group(), E // ep  # the all_to_alls: within my ep row
+    first = mesh["ep"].get_local_rank() * local  # my experts: first .. first + local - 1
     for layer, block in model.blocks.items():
-        moe = MoE(*init_moe(args, layer), first, E // ep, args.top_k, mesh["ep"].get_group())
+        moe = MoE(*init_moe(args, layer), first=first, local=local, top_k=args.top_k, group=ep_row)
         block.mlp = moe.to(ctx.device)
     experts = [p for name, p in model.named_parameters() if name.endswith((".w1", ".w2"))]
     dense = [p for name, p in model.named_parameters() if not name.endswith((".w1", ".w2"))]
@@ -112,21 +115,11 @@ def main(args, ctx):
             optimizer.step()
             losses.append(loss.detach())
 
-    report(model, prof, first, E // ep, mesh, args, ctx)
-    check_against_one_process(reference, model, torch.stack(losses), corpus, first, args, ctx)
+    report(model, prof, mesh=mesh, args=args, ctx=ctx)
+    check_against_one_process(reference, model, losses, corpus=corpus, args=args, ctx=ctx)
 
 
 # ---- The lesson ends here. What follows is how it checks itself. ----
-
-
-def init_moe(args, layer):
-    """Router (E, C), W1 (E, C, hidden), W2 (E, hidden, C) of all E experts, the same on every rank
-    (CPU)."""
-    g = torch.Generator().manual_seed(args.seed * 1000 + int(layer))
-    E, C, H = args.experts, args.n_embd, args.hidden
-    rand = lambda *shape, std: torch.randn(shape, generator=g, device="cpu") * std  # noqa: E731
-    w2_std = 0.02 / (2 * args.n_layer) ** 0.5
-    return rand(E, C, std=C**-0.5), rand(E, C, H, std=C**-0.5), rand(E, H, C, std=w2_std)
 
 
 class OneProcessMoE(MoE):
@@ -138,31 +131,7 @@ class OneProcessMoE(MoE):
         return every[expert, torch.arange(len(flat), device=flat.device).unsqueeze(1)]  # (T, k, C)
 
 
-def report(model, prof, first, local, mesh, args, ctx):
-    """Per rank: its experts, (token, choice) rows to and from the other ep ranks (forward, all
-    layers: backward sends as many), state bytes, collectives per step."""
-    me, mlps = mesh["ep"].get_local_rank(), [block.mlp for block in model.blocks.values()]
-    steps = list(zip(*(mlp.splits for mlp in mlps)))  # [step][layer] -> (sent, received, ran)
-    sent, received = ([sum(sum(s[i]) - s[i][me] for s in step) for step in steps] for i in (0, 1))
-    nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
-    params = list(model.parameters())
-    expert_bytes = nbytes(w for mlp in mlps for w in (mlp.w1, mlp.w2))
-    # AdamW keeps exp_avg and exp_avg_sq, each zeros_like(param) (torch/optim/adam.py, _init_group)
-    state = nbytes(params) + nbytes(p.grad for p in params) + 2 * nbytes(params)
-    counts = {e.key: e.count for e in prof.key_averages()}  # c10d's ops, whatever the backend
-    all_to_all, all_reduce = (
-        counts.get(f"c10d::{op}", 0) / args.steps for op in ("alltoall_base_", "allreduce_")
-    )
-    print_in_order(
-        f"dp {mesh['dp'].get_local_rank()}, ep {me}: experts {first}..{first + local - 1} of each "
-        f"layer; rows sent to / received from the other ep ranks per step: {sent} / {received}\n"
-        f"state {state:,} B = parameters {nbytes(params):,} (experts {expert_bytes:,}) + "
-        f"gradients + AdamW's 2 moments; per step: {all_to_all:g} all_to_all, {all_reduce:g} "
-        "all_reduce"
-    )
-
-
-def check_against_one_process(reference, model, losses, corpus, first, args, ctx):
+def check_against_one_process(reference, model, losses, corpus, args, ctx):
     """The same MoE GPT, same start, trained in this process on every rank's windows (one
     micro-batch per rank, each loss / N): every step's loss and the final parameters must match the
     ranks'. Both float32, so only rounding differs (the experts' kernels, the order of the
@@ -170,7 +139,8 @@ def check_against_one_process(reference, model, losses, corpus, first, args, ctx
     own (< 1: ulp <= 6e-8), compounding over the steps; --tol 2e-5 is 40 ulps of the loss, and a
     wrong gradient sum is off by 1e-2 (tests/test_mutations.py). A token whose k-th and (k+1)-th
     router probabilities tie within rounding could pick another expert: pick another --seed."""
-    N, local = ctx.world_size, args.experts // args.ep
+    N, local, losses = ctx.world_size, args.experts // args.ep, torch.stack(losses)
+    first = ctx.rank % args.ep * local  # the mesh is (dp, ep) in rank order: its ep index, x local
     for layer, block in reference.blocks.items():
         moe = OneProcessMoE(*init_moe(args, layer), 0, args.experts, args.top_k, None)
         block.mlp = moe.to(ctx.device)

@@ -1,24 +1,19 @@
-"""The training loop that train.py and train_2d.py share, whatever the parallelism.
+"""What train.py and train_2d.py share around their training loop, whatever the parallelism.
 
-A step: `accum` micro-batches per rank, gradients synchronised on the last one only
-(`gradient_sync`), then gradient clipping, AdamW (weight decay on matrices only) and a warm-up
-+ cosine learning rate; bf16 autocast on a GPU that has it. Rank 0 shows a tqdm bar; every
---eval-every steps the held-out loss is averaged over all ranks.
+The optimizer (AdamW, weight decay on matrices only, a warm-up + cosine learning rate), the
+held-out loss averaged over all ranks, rank 0's tqdm bar with the time per step, the summary
+(tokens/s, MFU), the sample, and the flags. The loop itself is in each training script.
 
 Docs: https://pytorch.org/docs/stable/notes/ddp.html, .../distributed.fsdp.fully_shard.html
 """
 
-import contextlib
 import math
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule
-from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import data
@@ -32,111 +27,92 @@ PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "H800": 989e12
 PEAK_BF16 |= {"A100": 312e12, "A800": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12}
 
 
-@dataclass
-class Result:
-    start: int
-    stop: int  # the first step not trained
-    tokens_per_step: int
-    train_losses: list  # (step, loss averaged over ranks), every --log-every steps
-    val_first: float
-    val_last: float
-    step_time: float  # seconds, from the second step on
-    bf16: bool
+class Progress:
+    """Rank 0's tqdm bar over `steps`, the train losses logged, the time per step (from the
+    second step on: the first warms up, and compiles). Iterate over it for the steps."""
+
+    def __init__(self, steps, tokens_per_step, args, ctx):
+        self.steps, self.tokens_per_step, self.train_losses = steps, tokens_per_step, []
+        self.ctx = ctx
+        self.bf16 = use_bf16(args, ctx)
+        self.bar = tqdm(
+            steps,
+            disable=ctx.rank != 0,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stdout if args.bar_stdout else None,
+        )
+        # A GPU runs ahead of the host: time only what it has finished.
+        self.sync = torch.accelerator.synchronize if ctx.device.type != "cpu" else lambda: None
+
+    def __iter__(self):
+        self.sync()
+        self.t0, t_timed = time.perf_counter(), None
+        for step in self.bar:
+            if step == self.steps.start + 1:
+                self.sync()
+                t_timed = time.perf_counter()
+            yield step
+        self.sync()
+        timed = len(self.steps) - 1
+        self.step_time = (time.perf_counter() - t_timed) / timed if timed else float("nan")
+        self.bar.close()
+
+    def log(self, step, loss, lr):
+        self.train_losses.append((step, loss))
+        done = (step - self.steps.start + 1) * self.tokens_per_step
+        tok_s = f"{done / (time.perf_counter() - self.t0):,.0f}"
+        self.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.1e}", tok_s=tok_s)
+
+    def write(self, line):
+        if self.ctx.rank == 0:  # tqdm.write prints on every rank, even with the bar disabled
+            self.bar.write(line)
+
+    def print_summary(self, label, val, flops_per_token):
+        """Throughput and MFU of the timed steps; the train and val losses, first and last."""
+        tok_s = self.tokens_per_step / self.step_time
+        device = self.ctx.device
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        peak = next((f for key, f in PEAK_BF16.items() if key in name), None)
+        mfu = (
+            f"{flops_per_token * tok_s / self.ctx.world_size / peak:.1%} of {name} bf16 peak"
+            if peak
+            else f"unknown (no peak FLOP/s known for {name})"
+        )
+        (_, first), (_, final) = self.train_losses[0], self.train_losses[-1]
+        print0(
+            f"summary: {label}, {len(self.steps)} steps, {tok_s:,.0f} tokens/s, "
+            f"{self.step_time * 1e3:.1f} ms/step, MFU {mfu}, train loss {first:.3f} -> "
+            f"{final:.3f}, val loss {val[0]:.3f} -> {val[1]:.3f}, "
+            f"bf16 {'on' if self.bf16 else 'off'}"
+        )
 
 
-def fit(model, optimizer, scheduler, train_data, val_data, start, args, ctx, save, clip=None):
-    """Train steps start..stop-1 (stop: --steps, or sooner with --stop-after); save(step) every
-    --save-every steps. clip(model, max_norm) clips the gradients (default: clip_grad_norm_)."""
-    ctx.require(
-        start < args.steps,
-        f"--resume: the checkpoint is at step {start}, nothing left of --steps {args.steps}",
-    )
-    clip = clip or (lambda m, max_norm: torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm))
-    stop = min(args.steps, start + args.stop_after) if args.stop_after else args.steps
-    bf16 = args.dtype == "bfloat16" or (
+def use_bf16(args, ctx):
+    """--dtype: bf16 autocast, or float32; auto: bf16 on a GPU that has it."""
+    return args.dtype == "bfloat16" or (
         args.dtype == "auto" and ctx.device.type == "cuda" and torch.cuda.is_bf16_supported()
     )
-    autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=bf16)
-    tokens_per_step = args.batch_size * args.accum * args.block_size * train_data.world_size
-    # A GPU runs ahead of the host: time only what it has finished.
-    synchronize = torch.accelerator.synchronize if ctx.device.type != "cpu" else lambda: None
 
-    def loss_of(windows, step, micro):
-        batch = windows.batch(step, micro, args.batch_size, args.accum)
-        x, y = (data.to_device(t, ctx.device) for t in batch)
+
+@torch.no_grad()
+def evaluate(model, windows, args, ctx):
+    """The held-out loss over --eval-batches batches, averaged over the ranks (a collective: each
+    rank saw different windows)."""
+    model.eval()
+    autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=use_bf16(args, ctx))
+    total = torch.zeros((), device=ctx.device)
+    for i in range(args.eval_batches):
+        x, y = windows.batch(i, 0, batch_size=args.batch_size, accum=args.accum)
         with autocast:
-            logits = model(x)
-        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-
-    @torch.no_grad()
-    def evaluate():
-        model.eval()
-        total = torch.zeros((), device=ctx.device)
-        for i in range(args.eval_batches):
-            total += loss_of(val_data, i, 0)
-        if dist.is_initialized():
-            dist.all_reduce(total, op=dist.ReduceOp.AVG)  # each rank saw different windows
-        model.train()
-        return total.item() / args.eval_batches
-
-    val_first, train_losses = evaluate(), []
-    bar = tqdm(
-        range(start, stop),
-        disable=ctx.rank != 0,
-        desc="train",
-        unit="step",
-        dynamic_ncols=True,
-        file=sys.stdout if args.bar_stdout else None,
-    )
-    synchronize()
-    t0, t_timed = time.perf_counter(), None
-    for step in bar:
-        if step == start + 1:  # time from the second step on: the first one warms up (and compiles)
-            synchronize()
-            t_timed = time.perf_counter()
-        loss_sum = torch.zeros((), device=ctx.device)
-        for micro in range(args.accum):
-            # ranks average their gradients on the last micro-batch only
-            with gradient_sync(model, micro == args.accum - 1):
-                loss = loss_of(train_data, step, micro) / args.accum
-                loss.backward()
-            loss_sum += loss.detach()  # stays on the device: no host sync per step
-        clip(model, args.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step % args.log_every == 0 or step == stop - 1:  # the only host syncs: when logging
-            if dist.is_initialized():
-                dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
-            train_losses.append((step, loss_sum.item()))
-            bar.set_postfix(
-                loss=f"{train_losses[-1][1]:.3f}",
-                lr=f"{scheduler.get_last_lr()[0]:.1e}",
-                tok_s=f"{(step - start + 1) * tokens_per_step / (time.perf_counter() - t0):,.0f}",
-            )
-        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < stop:
-            save(step + 1)
-        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < stop:
-            val = evaluate()  # a collective: every rank evaluates, rank 0 writes
-            if ctx.rank == 0:
-                bar.write(f"step {step + 1}: val loss {val:.3f}")
-    synchronize()
-    timed = stop - start - 1
-    step_time = (time.perf_counter() - t_timed) / timed if timed else float("nan")
-    bar.close()
-    return Result(
-        start, stop, tokens_per_step, train_losses, val_first, evaluate(), step_time, bf16
-    )
-
-
-@contextlib.contextmanager
-def gradient_sync(model, sync):
-    """With sync False, backward accumulates gradients locally: DDP skips its all_reduce
-    (no_sync), FSDP2 its reduce-scatter (set_requires_gradient_sync)."""
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(sync)
-    with model.no_sync() if isinstance(model, DDP) and not sync else contextlib.nullcontext():
-        yield
+            logits = model(data.to_device(x, ctx.device))
+        total += F.cross_entropy(
+            logits.float().flatten(0, 1), data.to_device(y, ctx.device).flatten()
+        )
+    dist.all_reduce(total, op=dist.ReduceOp.AVG)
+    model.train()
+    return total.item() / args.eval_batches
 
 
 def make_optimizer(model, args):
@@ -160,29 +136,9 @@ def make_optimizer(model, args):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
 
-def print_summary(result, label, flops_per_token, ctx):
-    tok_s = result.tokens_per_step / result.step_time
-    name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
-    peak = next((f for key, f in PEAK_BF16.items() if key in name), None)
-    mfu = (
-        f"{flops_per_token * tok_s / ctx.world_size / peak:.1%} of {name} bf16 peak"
-        if peak
-        else f"unknown (no peak FLOP/s known for {name})"
-    )
-    (_, first), (_, final) = result.train_losses[0], result.train_losses[-1]
-    print0(
-        f"summary: {label}, {result.stop - result.start} steps, {tok_s:,.0f} tokens/s, "
-        f"{result.step_time * 1e3:.1f} ms/step, MFU {mfu}, train loss {first:.3f} -> {final:.3f}, "
-        f"val loss {result.val_first:.3f} -> {result.val_last:.3f}, "
-        f"bf16 {'on' if result.bf16 else 'off'}"
-    )
-
-
-def check_loss_fell(result):
-    if result.val_last >= result.val_first:
-        raise RuntimeError(
-            f"the validation loss did not fall: {result.val_first:.3f} -> {result.val_last:.3f}"
-        )
+def check_loss_fell(val_first, val_last):
+    if val_last >= val_first:
+        raise RuntimeError(f"the validation loss did not fall: {val_first:.3f} -> {val_last:.3f}")
 
 
 def print_sample(path, args, ctx):

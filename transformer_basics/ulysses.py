@@ -19,8 +19,8 @@ Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_to_
 
 import torch.distributed as dist
 import torch.nn.functional as F
+from attention_checks import check_against_full_attention, inputs  # ring attention's too
 from launch.dist_setup import int_in, lesson_parser, print0, print_in_order, run
-from ring_attention import check_against_full_attention, inputs  # the same as ring attention's
 
 # torch 2.13, torch/distributed/_functional_collectives.py: all_to_all_single has autograd
 # registered (register_autograd on _c10d_functional::all_to_all_single; its backward is all_to_all

@@ -103,7 +103,7 @@ def check_copies(python, copies, tmp_path):
 @pytest.mark.quick
 def test_every_lesson_copied_out_imports_only_its_copy(python, tmp_path):
     copies = [copy_out(lesson, tmp_path / lesson.replace("/", "__")).parent for lesson in lessons()]
-    assert len(copies) >= 79, len(copies)
+    assert len(copies) >= 80, len(copies)
     report = check_copies(python, copies, tmp_path)
     problems = [f"{os.path.basename(c)}: {p}" for c, ps in report.items() for p in ps]
     assert not problems, "\n".join(problems)
@@ -149,3 +149,30 @@ def test_train_copied_out_saves_asynchronously_and_resumes(python, tmp_path):
     resumed = torchrun(python, copy, *args, "--resume")
     assert_ok(resumed)
     assert "resumed at step 4" in resumed.stdout, str(resumed)
+
+
+@pytest.mark.quick
+def test_every_module_imports_the_set_up_once_at_its_top():
+    """Lessons and their helper modules import launch.dist_setup and nothing else of launch, at
+    module level (an import inside a function is found only when that function runs)."""
+    from lesson_cli import FOLDERS
+
+    problems = []
+    for path in sorted(p for folder in FOLDERS for p in (ROOT / folder).glob("*.py")):
+        if path.parent.name == "launch" and path.name in ("dist_setup.py", "local_ranks.py"):
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            where = f"{path.relative_to(ROOT)}:{node.lineno}"
+            for name in [n for n in names if n.split(".")[0] == "launch"]:
+                if name != "launch.dist_setup":
+                    problems.append(f"{where}: imports {name}, which a copy does not have")
+                elif node not in tree.body:
+                    problems.append(f"{where}: imports launch.dist_setup inside a block")
+    assert not problems, "\n".join(problems)

@@ -854,21 +854,7 @@ TRANSFORMER_BASICS = [
         "ddp, checkpointed, eager: losses differ from one process's plain model",
         args=("--parallel", "ddp", "--no-compile", "--dropout", "0.1", "--batch-size", "2"),
     ),
-    # train.py: DDP never all-reduces (every micro-batch under no_sync): the replicas drift apart.
-    # The second change only sends the copy's --out next to it, not into the checkout.
-    Mutation(
-        "train-ddp-never-syncs",
-        "transformer_basics/train.py",
-        [
-            ("gradient_sync(model, micro == args.accum - 1)", "gradient_sync(model, False)"),
-            ('"--out", default=out,', '"--out", default=__file__ + ".runs",'),
-        ],
-        "DDP replicas diverged: parameters differ between ranks",
-        file="training.py",
-        args=tuple(
-            "--steps 3 --warmup 1 --batch-size 2 --accum 2 --n-layer 1 --sample-tokens 0".split()
-        ),
-    ),
+    # train.py's DDP that never syncs: tests/test_transformer_basics.py (it needs its own --out)
     # train_2d.py: the data sharded by the tp index, so the ranks of one TP row read different
     # windows: step 0's gradients differ from the unsharded model's on the global batch
     Mutation(

@@ -135,12 +135,15 @@ LESSONS = {
     ),
     "launch/print_env.py": ANY,
     "launch/legacy_launch.py": ANY,
-    # Under the harness's torchrun (static rendezvous) the agent shares its store
-    # (TORCHELASTIC_USE_AGENT_STORE=True) and elastic.py refuses to start: it runs as its docstring
-    # says, c10d rendezvous and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (launcher "elastic").
-    # extra: c10d's rendezvous (last_call_timeout 1 s) and 20 steps of 0.05 s
+    # Under the harness's torchrun (static rendezvous) and the warm launcher the agent shares its
+    # store (TORCHELASTIC_USE_AGENT_STORE=True) and elastic.py refuses to start, on purpose: a
+    # restart would meet stale keys in that store (pytorch#135712). Every torchrun-like run of it,
+    # NCCL or Gloo with CUDA tensors, is the launch its docstring gives (launcher "elastic": c10d
+    # rendezvous, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) with a rank dying at step 5 and the job
+    # restarting, what the lesson is for. extra: two rendezvous (last_call_timeout 1 s each), the
+    # restarted workers' start (about 2 s), 20 steps of 0.05 s
     "launch/elastic.py": dict(
-        min_ranks=1, gloo_cuda=True, launch="elastic", out="--ckpt-dir", extra=3
+        min_ranks=1, gloo_cuda=True, launch="elastic", out="--ckpt-dir", extra=6
     ),
     "launch/spawn_template.py": dict(
         min_ranks=1, gloo_cuda=None, nccl="its own mp.spawn, Gloo on CPU (NODE_OTHER)"
@@ -296,7 +299,8 @@ def node_check(gpus):
 
 def gloo_case(lesson):
     spec = LESSONS[lesson]
-    case = _run(lesson, spec, 2, "warm", "gloo", "--backend", "gloo", "--device", "cuda")
+    launcher = spec.get("launch", "warm")  # the lesson's own launch if it has one (elastic.py)
+    case = _run(lesson, spec, 2, launcher, "gloo", "--backend", "gloo", "--device", "cuda")
     case.needs_gpus = 1  # two ranks may share one GPU
     if not spec["gloo_cuda"]:
         case.expect = "needs CPU tensors"
@@ -485,6 +489,8 @@ def run_case(case, tmp_path, env, real):
     if case.launcher == "elastic":
         env = {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # see launch/elastic.py
         result = run_command(elastic_command(case, args), timeout=timeout, env=env)
+        restarted = f"start: restart 1, world size {case.nproc}, resuming at step 5"
+        assert restarted in result.stdout, f"no restart after the rank's death\n{result}"
     else:
         result = run_lesson(
             case.lesson, *args, nproc=case.nproc, launcher=case.launcher, timeout=timeout, env=env
@@ -506,7 +512,8 @@ def run_case(case, tmp_path, env, real):
 
 
 def elastic_command(case, args):
-    """launch/elastic.py's documented launch: c10d rendezvous, the shared store off."""
+    """launch/elastic.py's documented launch: c10d rendezvous, the shared store off, the last
+    rank dying at step 5 and every rank restarted once."""
     return [
         sys.executable,
         "-m",
@@ -519,6 +526,8 @@ def elastic_command(case, args):
         f"--rdzv-id={uuid.uuid4().hex[:8]}",
         "--rdzv-conf=last_call_timeout=1",
         "launch/elastic.py",
+        "--fail-at-step",
+        "5",
         *args,
     ]
 

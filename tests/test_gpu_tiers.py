@@ -1,8 +1,10 @@
-"""The GPU tiers of tests/test_gpu.py, checked on the CPU (in this process, nothing launched): the
-node check fits its 15 minutes on an 8-GPU node by its budgets, holds every lesson, and every tier
-is well formed (unique ids, world sizes within the node, flags the lessons parse, outputs in tmp).
+"""The GPU tiers of tests/test_gpu.py, checked on the CPU (in this process, nothing launched but one
+row tried on Gloo with CPU tensors): the node check fits its 15 minutes on an 8-GPU node by its
+budgets, holds every lesson, and every tier is well formed (unique ids, world sizes within the
+node, flags the lessons parse, outputs in tmp, each lesson started the way it can start).
 """
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -114,3 +116,23 @@ def test_runs_write_only_to_tmp():
                 f"{lesson} writes under the checkout by default ({flags[0]}): give its row "
                 f'out="{flags[0]}" in tests/test_gpu.py'
             )
+
+
+@pytest.mark.parametrize("tier", list(gpu.TIERS))
+def test_a_lesson_with_its_own_launch_gets_it(tier):
+    """launch/elastic.py refuses torchrun's static rendezvous and the warm launcher (the agent's
+    shared store): every torchrun-like run of a lesson whose row names a launch uses it (the
+    `gloo-2-elastic` row ran under the warm launcher and failed on every machine)."""
+    for case in gpu.TIERS[tier](gpu.NODE_GPUS):
+        launch = gpu.LESSONS[case.lesson].get("launch")
+        if launch and case.launcher in ("torchrun", "warm"):
+            pytest.fail(f"{tier}: {case.id} runs under {case.launcher}, not {launch}")
+
+
+def test_the_gloo_elastic_row_runs_on_cpu(tmp_path):
+    """The --gpu-full row gloo-2-elastic, run as test_gpu.run_case runs it, on CPU tensors: elastic
+    torchrun, the last rank dies at step 5, both restart and finish with the serial result."""
+    (case,) = [c for c in gpu.full_matrix(gpu.NODE_GPUS) if c.id == "gloo-2-elastic"]
+    args = tuple("cpu" if a == "cuda" else a for a in case.args)
+    assert args != case.args  # it was the Gloo-with-CUDA row
+    gpu.run_case(dataclasses.replace(case, args=args), tmp_path, env={}, real=0)

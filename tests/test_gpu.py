@@ -122,10 +122,10 @@ LESSONS = {
     "primitives/ring_all_reduce_pipelined.py": P2P,
     # part 1 (the error at wait()) runs on Gloo only; on NCCL its OK line says "not tried"
     "primitives/async_errors.py": dict(min_ranks=2, gloo_cuda=True),
-    # NCCL's watchdog ends a rank whose collective times out (TORCH_NCCL_ASYNC_ERROR_HANDLING),
-    # so the lesson's catch-then-dump path is Gloo's: NODE_OTHER runs it on Gloo on a GPU node.
+    # Its jobs hang on purpose in Gloo groups on CPU tensors whatever the default group (NCCL's
+    # watchdog would end a rank before it dumps): other_cases runs the README's command as it is.
     "primitives/flight_recorder.py": dict(
-        min_ranks=2, gloo_cuda=None, nccl="hangs on purpose: Gloo only (NODE_OTHER)"
+        min_ranks=2, gloo_cuda=None, nccl="Gloo job groups on any node (other_cases)"
     ),
     "primitives/rpc_pipeline.py": dict(
         min_ranks=2, gloo_cuda=None, nccl="RPC on CPU tensors, no process group (NODE_OTHER)"
@@ -321,15 +321,15 @@ def other_cases(gpus):
             needs_gpus=two,
         ),
         Case("other-two_jobs", "primitives/weight_sync_two_jobs.py", "two_jobs", gpus, 15),
-        # flight_recorder's hangs on Gloo (see LESSONS), CUDA visible: the default a reader gets
-        # on a GPU node would be NCCL, so the backend is named
+        # primitives/README.md's first answer to "my job hangs", as it stands: torchrun at 3 ranks,
+        # no backend named (NCCL where the node has 3 GPUs, else Gloo on CPU); the jobs are Gloo
+        # groups either way. extra: three 3 s hangs and torch's analyzer
         Case(
             "other-flight_recorder",
             "primitives/flight_recorder.py",
-            "python",
+            "torchrun",
             3,
-            BUDGET["python"] + 15,
-            ("--backend", "gloo", "--device", "cpu"),
+            BUDGET["torchrun"] + 15,
         ),
         Case("other-rpc_pipeline", "primitives/rpc_pipeline.py", "python", 3, BUDGET["python"]),
         Case("other-spawn_template", "launch/spawn_template.py", "command", 2, BUDGET["python"]),

@@ -419,17 +419,69 @@ def estimate(cases):
     return len(cases), sum(case.budget for case in cases)
 
 
+# One GPU: the runs are small (one rank per NCCL run, two Gloo ranks sharing the GPU), so several
+# share it, each from its own pytest-xdist worker: as many workers as bring the budgets to about
+# ONE_GPU_TARGET_S, at most one per CORES_PER_WORKER cores (a run is up to three processes, the
+# launcher and two ranks, each importing torch) and at most MAX_WORKERS. With several GPUs a run
+# takes them all: one run at a time.
+ONE_GPU_TARGET_S, CORES_PER_WORKER, MAX_WORKERS = 180, 4, 6
+
+
+def cores():
+    """GPU_TEST_CPUS (to plan for another machine, collection only) or this machine's cores."""
+    forced = os.environ.get("GPU_TEST_CPUS")
+    return int(forced) if forced else len(os.sched_getaffinity(0))
+
+
+def makespan(budgets, workers):
+    """Seconds until the last of `workers` is done, each run given to the least loaded worker,
+    longest first (the order pytest_generate_tests gives them on one GPU)."""
+    loads = [0.0] * workers
+    for budget in sorted(budgets, reverse=True):
+        loads[loads.index(min(loads))] += budget
+    return max(loads)
+
+
+def plan(config):
+    """(workers, how they were chosen) for the chosen tiers on this node; workers None when the
+    GPU tests do not run (no tier, no GPU)."""
+    tiers, gpus = chosen_tiers(config), gpu_count()
+    if not tiers or gpus == 0:
+        return None, ""
+    if gpus > 1:
+        return 1, f"1 worker: each run takes up to {min(gpus, MAX_WORLD)} GPUs"
+    budgets = [case.budget for opt in tiers for case in TIERS[opt](gpus)]
+    cap = max(1, min(MAX_WORKERS, cores() // CORES_PER_WORKER))
+    workers = next((w for w in range(1, cap + 1) if makespan(budgets, w) <= ONE_GPU_TARGET_S), cap)
+    return workers, (
+        f"{workers} worker(s) sharing the GPU, chosen for about {ONE_GPU_TARGET_S / 60:g} min "
+        f"(at most {cap}: {cores()} cores, {CORES_PER_WORKER} per worker, {MAX_WORKERS} at most)"
+    )
+
+
 def collection_report(config):
     """Printed at collection (tests/conftest.py, pytest_report_collectionfinish)."""
     gpus, lines = gpu_count(), []
+    workers, how = plan(config)
+    chosen = getattr(config, "gpu_workers", None) or workers  # conftest: a command line -n wins
+    chosen = chosen if gpus == 1 else workers  # several GPUs: one worker takes every run
     for opt in chosen_tiers(config):
         if not gpus:
             lines.append(f"GPU tier {opt}: no GPU here (GPU_TEST_DEVICES=8 lists its runs)")
             continue
-        n, seconds = estimate(TIERS[opt](gpus))
+        cases = TIERS[opt](gpus)
+        n, seconds = estimate(cases)
         lines.append(
-            f"GPU tier {opt}: {n} runs at {gpus} GPU(s), estimate {seconds / 60:.1f} min "
-            f"(sum of per-run budgets, reasoned; limit per run {SLACK}x its budget)"
+            f"GPU tier {opt}: {n} runs at {gpus} GPU(s), estimate {seconds / 60:.1f} min one "
+            f"after another (sum of per-run budgets, reasoned; limit per run {SLACK}x its budget)"
+        )
+    if workers:
+        if chosen != workers:
+            how = f"{chosen} worker(s), as -n asks (the plan: {how})"
+        budgets = [case.budget for opt in chosen_tiers(config) for case in TIERS[opt](gpus)]
+        lines.append(
+            f"GPU plan: {how}; about {makespan(budgets, max(1, chosen)) / 60:.1f} min "
+            "(each run given to the least loaded worker, longest first)"
         )
     return lines
 
@@ -444,6 +496,8 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("case", [off])
         return
     cases = [case for opt in tiers for case in TIERS[opt](gpus)]
+    if gpus == 1:  # longest first, as plan() counts (the runs share the GPU); same on every worker
+        cases.sort(key=lambda case: -case.budget)
     metafunc.parametrize("case", [pytest.param(c, id=c.id) for c in cases])
 
 

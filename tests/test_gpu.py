@@ -442,6 +442,11 @@ def makespan(budgets, workers):
     return max(loads)
 
 
+def runnable_budgets(tiers, gpus):
+    """The budgets of the runs that do not skip for want of GPUs (--gpu-scale's on a small node)."""
+    return [case.budget for opt in tiers for case in TIERS[opt](gpus) if case.needs_gpus <= gpus]
+
+
 def plan(config):
     """(workers, how they were chosen) for the chosen tiers on this node; workers None when the
     GPU tests do not run (no tier, no GPU)."""
@@ -450,7 +455,7 @@ def plan(config):
         return None, ""
     if gpus > 1:
         return 1, f"1 worker: each run takes up to {min(gpus, MAX_WORLD)} GPUs"
-    budgets = [case.budget for opt in tiers for case in TIERS[opt](gpus)]
+    budgets = runnable_budgets(tiers, gpus)
     cap = max(1, min(MAX_WORKERS, cores() // CORES_PER_WORKER))
     workers = next((w for w in range(1, cap + 1) if makespan(budgets, w) <= ONE_GPU_TARGET_S), cap)
     return workers, (
@@ -471,14 +476,16 @@ def collection_report(config):
             continue
         cases = TIERS[opt](gpus)
         n, seconds = estimate(cases)
+        skip = sum(case.needs_gpus > gpus for case in cases)
         lines.append(
             f"GPU tier {opt}: {n} runs at {gpus} GPU(s), estimate {seconds / 60:.1f} min one "
             f"after another (sum of per-run budgets, reasoned; limit per run {SLACK}x its budget)"
+            + (f"; {skip} of them need more GPUs and skip" if skip else "")
         )
     if workers:
         if chosen != workers:
             how = f"{chosen} worker(s), as -n asks (the plan: {how})"
-        budgets = [case.budget for opt in chosen_tiers(config) for case in TIERS[opt](gpus)]
+        budgets = runnable_budgets(chosen_tiers(config), gpus) or [0]
         lines.append(
             f"GPU plan: {how}; about {makespan(budgets, max(1, chosen)) / 60:.1f} min "
             "(each run given to the least loaded worker, longest first)"

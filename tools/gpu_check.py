@@ -115,7 +115,7 @@ def main():
     )
     parser.add_argument("--summary", default="gpu_check_summary.txt", help="the summary file")
     parser.add_argument("--budget", type=float, default=520, help="seconds for all the steps")
-    parser.add_argument("--train-steps", type=int, default=200, help="train.py's --steps on a GPU")
+    parser.add_argument("--train-steps", type=int, default=150, help="train.py's --steps on a GPU")
     parser.add_argument("--skip-install", action="store_true", help="use what is installed")
     parser.add_argument("--dry-run", action="store_true", help="no install; CPU stand-ins")
     args = parser.parse_args()

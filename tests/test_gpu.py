@@ -12,6 +12,8 @@ that are not torchrun jobs in their own way, and DIST_DEVICE=cuda once. Each run
 seconds (BUDGET below, per lesson where it differs); a run's time limit is SLACK x its budget. At
 collection the run count and the sum of the budgets are printed (tests/conftest.py); the CPU test
 tests/test_gpu_tiers.py keeps the node check's sum within 15 min for 8 GPUs and every lesson in it.
+With several GPUs the runs go one at a time (each takes them all); on one GPU they share it, from
+as many pytest-xdist workers as plan() picks (about 3 minutes; tests/conftest.py starts them).
 
 GPU_TEST_DEVICES=8 sets the device count for collection only, so that on a CPU machine
 `GPU_TEST_DEVICES=8 pytest --collect-only --gpu tests/test_gpu.py -q` lists the tiers; the tests

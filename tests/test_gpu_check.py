@@ -66,3 +66,17 @@ def test_a_step_past_its_limit_is_ended_with_its_processes(tmp_path):
     assert code is None and time.monotonic() - start < 15, took
     started = list(map(int, pids.read_text().split()))
     assert len(started) == 2 and wait_until_gone(started, seconds=5) == [], started
+
+
+def test_the_gpu_steps_flags_parse():
+    """What the tool gives train.py on a GPU (and on the CPU) parses with train.py's own parser: a
+    renamed flag fails here, not on a rented GPU."""
+    sys.path.insert(0, str(TOOL.parent))
+    import gpu_check
+    from lesson_cli import lesson_parser, parse
+
+    parser = lesson_parser("transformer_basics/train.py")
+    common = ["--nproc", "1", "--parallel", "none", "--sample-tokens", "0", "--out", "/tmp/x"]
+    for flags in (gpu_check.TRAIN_GPU + ["--steps", "150"], gpu_check.TRAIN_CPU + ["--steps", "6"]):
+        code, output, _ = parse(parser, common + flags)
+        assert code == 0, f"train.py {' '.join(flags)}: {output}"

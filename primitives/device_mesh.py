@@ -67,14 +67,14 @@ def main(args, ctx):
 
 
 def mismatched_shape(ctx, dp, tp):
-    """PITFALL: the last rank builds a 1-D mesh, the others dp x tp. No rank compares shapes: the
-    dp x tp ranks wait in new_group (up to 30 min on Gloo), the last in its first collective."""
+    """PITFALL: the last rank builds a 1-D mesh, the others dp x tp; nothing compares shapes."""
     ctx.require(dp >= 2 and tp >= 2, "--mismatched-shape needs dp and tp >= 2 (e.g. --nproc 4)")
     shape = (ctx.world_size,) if ctx.rank == ctx.world_size - 1 else (dp, tp)
     with stop_if_stuck(ctx.rank, f"init_device_mesh{shape}"):
         mesh = init_device_mesh(ctx.device.type, shape)
     with stop_if_stuck(ctx.rank, f"distribute_tensor on the {shape} mesh"):
-        distribute_tensor(torch.ones(4, device=ctx.device), mesh, [Replicate()] * mesh.ndim)
+        d = distribute_tensor(torch.ones(4, device=ctx.device), mesh, [Replicate()] * mesh.ndim)
+        d.to_local().tolist()  # waits on the host: on a GPU the broadcast is only queued
     raise RuntimeError(f"rank {ctx.rank}: the mismatched meshes did not hang")
 
 

@@ -9,7 +9,8 @@ hangs, every rank dumps its buffer, and torch's analyzer, `torchfrtrace DIR --pr
 Here one rank (--culprit) goes wrong in the last step of a small job, as readers' jobs do
 (--fault): skip = it has one batch fewer; order = it calls broadcast before all_reduce; size = its
 all_reduce is shorter. The others time out, every rank dumps, and rank 0 reads the dumps its own way
-and with torch's analyzer (primitives/README.md, "My job hangs: which rank?").
+and with torch's analyzer (primitives/README.md, "My job hangs: which rank?"). Each job is a Gloo
+group on CPU tensors, on a GPU node too (the default group may be NCCL there).
 
     torchrun --nproc_per_node=3 primitives/flight_recorder.py --fault order
     python primitives/flight_recorder.py --nproc 4          # every fault in turn
@@ -37,15 +38,15 @@ FAULTS = ["skip", "order", "size"]
 def main(args, ctx):
     culprit = ctx.world_size - 1 if args.culprit is None else args.culprit
     ctx.require(culprit < ctx.world_size, f"--culprit must be a rank below {ctx.world_size}")
-    # NCCL's watchdog ends a rank whose collective times out before Python can catch it and dump
-    ctx.require(ctx.backend == "gloo", "this lesson hangs on purpose on Gloo: add --backend gloo")
     jobs = {}
     for fault in FAULTS if args.fault == "all" else [args.fault]:
         timeout = datetime.timedelta(seconds=args.hang_timeout)
-        jobs[fault] = dist.new_group(timeout=timeout, group_desc=f"job_{fault}")
+        # Gloo on CPU tensors whatever the default group is: on NCCL the watchdog would end a rank
+        # whose collective times out before Python could catch the error and dump
+        jobs[fault] = dist.new_group(backend="gloo", timeout=timeout, group_desc=f"job_{fault}")
         mine = fault if ctx.rank == culprit else None
         try:
-            train(jobs[fault], args.steps, args.size, mine, ctx.device)
+            train(jobs[fault], args.steps, args.size, mine, torch.device("cpu"))
         except RuntimeError as error:  # Gloo: "Timed out waiting 3000ms for recv operation ..."
             print_rank(f"{fault}: {str(error).splitlines()[0][-60:]}")
         dist.barrier()  # on the default group (its own timeout): the next job starts together

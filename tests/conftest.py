@@ -38,6 +38,29 @@ def pytest_addoption(parser):
         parser.addoption(name, action="store_true", help=f"GPU mode, tests/test_gpu.py: {what}")
 
 
+def _workers_asked(config):
+    """-n / --numprocesses on the command line (pyproject.toml's addopts do not count)."""
+    return any(
+        arg.startswith(("-n", "--numprocesses")) or arg == "--dist"
+        for arg in map(str, config.invocation_params.args)
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which turns the count into workers
+def pytest_cmdline_main(config):
+    """On one GPU the GPU tiers pick their own workers (tests/test_gpu.py, plan). Not in a worker:
+    it would start workers of its own."""
+    if not hasattr(config, "workerinput") and any(
+        config.getoption(name) for name in ("--gpu", "--gpu-full", "--gpu-scale")
+    ):
+        import test_gpu
+
+        workers, _ = test_gpu.plan(config)
+        if workers and not _workers_asked(config):
+            config.option.numprocesses = workers
+        config.gpu_workers = config.option.numprocesses if workers else 1
+
+
 def gpu_tier_lines(config):
     """tests/test_gpu.py's run count and time estimate per chosen tier."""
     if any(config.getoption(name) for name in ("--gpu", "--gpu-full", "--gpu-scale")):
@@ -65,8 +88,10 @@ SHARED_FIXTURES = ("whole_run", "checkpoint_2_ranks", "print_env_3", "slurm")
 def pytest_collection_modifyitems(config, items):
     for item in items:
         shared = [f for f in SHARED_FIXTURES if f in getattr(item, "fixturenames", ())]
-        # one cluster; GPUs run one lesson at a time
-        if item.module.__name__ in ("test_launch_cluster", "test_gpu"):
+        # one cluster; several GPUs run one lesson at a time (on one GPU runs share it)
+        if item.module.__name__ == "test_launch_cluster" or (
+            item.module.__name__ == "test_gpu" and item.module.gpu_count() != 1
+        ):
             shared = [item.module.__name__]
         if shared:
             item.add_marker(pytest.mark.xdist_group(shared[0]))

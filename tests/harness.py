@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from itertools import count
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +56,7 @@ class Result:
         )
 
 
+_runs = count()  # numbers the runs of this process (RUN_MARK)
 _held = []  # the sockets that hold the ports handed out, open for the life of this test process
 
 
@@ -119,13 +121,82 @@ def _children_cpu_s():
     return usage.ru_utime + usage.ru_stime
 
 
+# Every process a run starts inherits this variable, with a value of its own per run: torchrun
+# starts each rank in a session of its own (start_new_session=True in torch's
+# distributed/elastic/multiprocessing/subprocess_handler/subprocess_handler.py, 2.13 and 2.14.1),
+# so killing torchrun's process group leaves the ranks running, holding the output pipes open, and
+# a rank whose torchrun died is no longer its descendant: the mark still finds it.
+RUN_MARK = "HARNESS_RUN_ID"
+
+
+def _proc_table():
+    """pid -> parent pid of every process that has not ended, from /proc."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                table[int(entry)] = int(fields[1])
+    return table
+
+
+def _marked(pid, mark):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return mark in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def run_processes(root, mark):
+    """The processes of one run: root, its descendants, and every process whose environment holds
+    the run's mark."""
+    table, found = _proc_table(), set()
+    todo = [root] if root in table else []
+    todo += [pid for pid in table if pid != os.getpid() and _marked(pid, mark)]
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo += [child for child, parent in table.items() if parent == pid]
+    return found
+
+
+def end_run(root, mark, rounds=50):
+    """SIGKILL every process of a run. Each is stopped first (SIGSTOP) and the search repeated
+    until it finds no new one, so that none forks or loses its parent while it is looked for."""
+    stopped = set()
+    for _ in range(rounds):
+        new = run_processes(root, mark) - stopped
+        if not new:
+            break
+        for pid in new:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        stopped |= new
+    for pid in stopped:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return stopped
+
+
 def run_command(command, timeout=120, env=None, cwd=ROOT):
-    """Run command in its own session; on timeout kill the whole process group."""
+    """Run command in its own session; on timeout kill it and every process it started (end_run),
+    then keep the output it wrote before."""
     start, cpu = time.monotonic(), _children_cpu_s()
+    mark = f"{os.getpid()}-{next(_runs)}-{time.time_ns()}"
     proc = subprocess.Popen(
         [str(c) for c in command],
         cwd=cwd,
-        env=lesson_env(env),
+        env={**lesson_env(env), RUN_MARK: mark},
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -135,8 +206,15 @@ def run_command(command, timeout=120, env=None, cwd=ROOT):
         out, err = proc.communicate(timeout=timeout)
         timed_out = False
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        end_run(proc.pid, f"{RUN_MARK}={mark}".encode())
+        try:  # bounded: a process that cleared its environment and left torchrun's tree may remain
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            for pipe in (proc.stdout, proc.stderr):
+                pipe.close()
+            proc.wait()
+            out, err = "", "(the output pipes stayed open after the kill: output lost)\n"
         timed_out = True
     # the CPU logged: of the processes this call waited for
     log_launch(

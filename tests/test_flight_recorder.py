@@ -5,9 +5,11 @@ The mistakes that the check must catch (the wrong rank singled out, the fault ma
 than the lesson thinks) are rows of tests/test_mutations.py.
 """
 
+import textwrap
+
 import pytest
 
-from harness import assert_fails, assert_ok, run_lesson
+from harness import ROOT, assert_fails, assert_ok, run_lesson
 
 LESSON = "primitives/flight_recorder.py"
 T = 240  # three 3 s hangs, one analyzer run, under the suite's load
@@ -33,3 +35,39 @@ def test_every_fault_names_its_culprit(nproc, launcher, args):
 def test_a_culprit_outside_the_world_is_one_line():
     result = run_lesson(LESSON, "--culprit", "3", nproc=2, launcher="warm", timeout=60)
     assert_fails(result, "--culprit must be a rank below 2", within=2)
+
+
+# The lesson under a default group that says it is NCCL (as on a GPU node, where dist_setup picks
+# NCCL when every rank has a GPU; no NCCL on a CPU machine, so the context says it): it must not
+# refuse, and every job group it makes must be a Gloo group.
+AS_ON_A_GPU_NODE = """
+    import dataclasses, runpy, sys
+    import torch.distributed as dist
+    import launch.dist_setup as setup
+
+    real_new_group, real_run = dist.new_group, setup.run
+
+    def new_group(*args, **kwargs):
+        if kwargs.get("backend") != "gloo":
+            sys.exit(f"a job group on the default group's backend: new_group({kwargs})")
+        return real_new_group(*args, **kwargs)
+
+    def run(main, args):
+        return real_run(lambda a, ctx: main(a, dataclasses.replace(ctx, backend="nccl")), args)
+
+    dist.new_group, setup.run = new_group, run
+    sys.argv = [LESSON, *sys.argv[1:]]
+    runpy.run_path(LESSON, run_name="__main__")
+"""
+
+
+def test_job_groups_are_gloo_whatever_the_default_group(tmp_path):
+    """`torchrun --nproc_per_node=3 primitives/flight_recorder.py`, the README's first answer to
+    "my job hangs", picks NCCL on a node with a GPU per rank: the lesson runs all the same."""
+    wrapper = tmp_path / "as_on_a_gpu_node.py"
+    wrapper.write_text(
+        textwrap.dedent(AS_ON_A_GPU_NODE).replace("LESSON", repr(str(ROOT / LESSON)))
+    )
+    result = run_lesson(wrapper, "--fault", "order", nproc=3, launcher="warm", timeout=T)
+    assert assert_ok(result).startswith("OK: the flight record names the culprit, rank 2")
+    assert "[order] odd rank(s) out [2]" in result.stdout, result

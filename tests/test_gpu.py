@@ -12,6 +12,8 @@ that are not torchrun jobs in their own way, and DIST_DEVICE=cuda once. Each run
 seconds (BUDGET below, per lesson where it differs); a run's time limit is SLACK x its budget. At
 collection the run count and the sum of the budgets are printed (tests/conftest.py); the CPU test
 tests/test_gpu_tiers.py keeps the node check's sum within 15 min for 8 GPUs and every lesson in it.
+With several GPUs the runs go one at a time (each takes them all); on one GPU they share it, from
+as many pytest-xdist workers as plan() picks (about 3 minutes; tests/conftest.py starts them).
 
 GPU_TEST_DEVICES=8 sets the device count for collection only, so that on a CPU machine
 `GPU_TEST_DEVICES=8 pytest --collect-only --gpu tests/test_gpu.py -q` lists the tiers; the tests
@@ -122,10 +124,10 @@ LESSONS = {
     "primitives/ring_all_reduce_pipelined.py": P2P,
     # part 1 (the error at wait()) runs on Gloo only; on NCCL its OK line says "not tried"
     "primitives/async_errors.py": dict(min_ranks=2, gloo_cuda=True),
-    # NCCL's watchdog ends a rank whose collective times out (TORCH_NCCL_ASYNC_ERROR_HANDLING),
-    # so the lesson's catch-then-dump path is Gloo's: NODE_OTHER runs it on Gloo on a GPU node.
+    # Its jobs hang on purpose in Gloo groups on CPU tensors whatever the default group (NCCL's
+    # watchdog would end a rank before it dumps): other_cases runs the README's command as it is.
     "primitives/flight_recorder.py": dict(
-        min_ranks=2, gloo_cuda=None, nccl="hangs on purpose: Gloo only (NODE_OTHER)"
+        min_ranks=2, gloo_cuda=None, nccl="Gloo job groups on any node (other_cases)"
     ),
     "primitives/rpc_pipeline.py": dict(
         min_ranks=2, gloo_cuda=None, nccl="RPC on CPU tensors, no process group (NODE_OTHER)"
@@ -135,12 +137,15 @@ LESSONS = {
     ),
     "launch/print_env.py": ANY,
     "launch/legacy_launch.py": ANY,
-    # Under the harness's torchrun (static rendezvous) the agent shares its store
-    # (TORCHELASTIC_USE_AGENT_STORE=True) and elastic.py refuses to start: it runs as its docstring
-    # says, c10d rendezvous and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (launcher "elastic").
-    # extra: c10d's rendezvous (last_call_timeout 1 s) and 20 steps of 0.05 s
+    # Under the harness's torchrun (static rendezvous) and the warm launcher the agent shares its
+    # store (TORCHELASTIC_USE_AGENT_STORE=True) and elastic.py refuses to start, on purpose: a
+    # restart would meet stale keys in that store (pytorch#135712). Every torchrun-like run of it,
+    # NCCL or Gloo with CUDA tensors, is the launch its docstring gives (launcher "elastic": c10d
+    # rendezvous, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) with a rank dying at step 5 and the job
+    # restarting, what the lesson is for. extra: two rendezvous (last_call_timeout 1 s each), the
+    # restarted workers' start (about 2 s), 20 steps of 0.05 s
     "launch/elastic.py": dict(
-        min_ranks=1, gloo_cuda=True, launch="elastic", out="--ckpt-dir", extra=3
+        min_ranks=1, gloo_cuda=True, launch="elastic", out="--ckpt-dir", extra=6
     ),
     "launch/spawn_template.py": dict(
         min_ranks=1, gloo_cuda=None, nccl="its own mp.spawn, Gloo on CPU (NODE_OTHER)"
@@ -298,7 +303,8 @@ def node_check(gpus):
 
 def gloo_case(lesson):
     spec = LESSONS[lesson]
-    case = _run(lesson, spec, 2, "warm", "gloo", "--backend", "gloo", "--device", "cuda")
+    launcher = spec.get("launch", "warm")  # the lesson's own launch if it has one (elastic.py)
+    case = _run(lesson, spec, 2, launcher, "gloo", "--backend", "gloo", "--device", "cuda")
     case.needs_gpus = 1  # two ranks may share one GPU
     if not spec["gloo_cuda"]:
         case.expect = "needs CPU tensors"
@@ -319,15 +325,15 @@ def other_cases(gpus):
             needs_gpus=two,
         ),
         Case("other-two_jobs", "primitives/weight_sync_two_jobs.py", "two_jobs", gpus, 15),
-        # flight_recorder's hangs on Gloo (see LESSONS), CUDA visible: the default a reader gets
-        # on a GPU node would be NCCL, so the backend is named
+        # primitives/README.md's first answer to "my job hangs", as it stands: torchrun at 3 ranks,
+        # no backend named (NCCL where the node has 3 GPUs, else Gloo on CPU); the jobs are Gloo
+        # groups either way. extra: three 3 s hangs and torch's analyzer
         Case(
             "other-flight_recorder",
             "primitives/flight_recorder.py",
-            "python",
+            "torchrun",
             3,
-            BUDGET["python"] + 15,
-            ("--backend", "gloo", "--device", "cpu"),
+            BUDGET["torchrun"] + 15,
         ),
         Case("other-rpc_pipeline", "primitives/rpc_pipeline.py", "python", 3, BUDGET["python"]),
         Case("other-spawn_template", "launch/spawn_template.py", "command", 2, BUDGET["python"]),
@@ -417,17 +423,76 @@ def estimate(cases):
     return len(cases), sum(case.budget for case in cases)
 
 
+# One GPU: the runs are small (one rank per NCCL run, two Gloo ranks sharing the GPU), so several
+# share it, each from its own pytest-xdist worker: as many workers as bring the budgets to about
+# ONE_GPU_TARGET_S, at most one per CORES_PER_WORKER cores (a run is up to three processes, the
+# launcher and two ranks, each importing torch) and at most MAX_WORKERS. With several GPUs a run
+# takes them all: one run at a time.
+ONE_GPU_TARGET_S, CORES_PER_WORKER, MAX_WORKERS = 180, 4, 6
+
+
+def cores():
+    """GPU_TEST_CPUS (to plan for another machine, collection only) or this machine's cores."""
+    forced = os.environ.get("GPU_TEST_CPUS")
+    return int(forced) if forced else len(os.sched_getaffinity(0))
+
+
+def makespan(budgets, workers):
+    """Seconds until the last of `workers` is done, each run given to the least loaded worker,
+    longest first (the order pytest_generate_tests gives them on one GPU)."""
+    loads = [0.0] * workers
+    for budget in sorted(budgets, reverse=True):
+        loads[loads.index(min(loads))] += budget
+    return max(loads)
+
+
+def runnable_budgets(tiers, gpus):
+    """The budgets of the runs that do not skip for want of GPUs (--gpu-scale's on a small node)."""
+    return [case.budget for opt in tiers for case in TIERS[opt](gpus) if case.needs_gpus <= gpus]
+
+
+def plan(config):
+    """(workers, how they were chosen) for the chosen tiers on this node; workers None when the
+    GPU tests do not run (no tier, no GPU)."""
+    tiers, gpus = chosen_tiers(config), gpu_count()
+    if not tiers or gpus == 0:
+        return None, ""
+    if gpus > 1:
+        return 1, f"1 worker: each run takes up to {min(gpus, MAX_WORLD)} GPUs"
+    budgets = runnable_budgets(tiers, gpus)
+    cap = max(1, min(MAX_WORKERS, cores() // CORES_PER_WORKER))
+    workers = next((w for w in range(1, cap + 1) if makespan(budgets, w) <= ONE_GPU_TARGET_S), cap)
+    return workers, (
+        f"{workers} worker(s) sharing the GPU, chosen for about {ONE_GPU_TARGET_S / 60:g} min "
+        f"(at most {cap}: {cores()} cores, {CORES_PER_WORKER} per worker, {MAX_WORKERS} at most)"
+    )
+
+
 def collection_report(config):
     """Printed at collection (tests/conftest.py, pytest_report_collectionfinish)."""
     gpus, lines = gpu_count(), []
+    workers, how = plan(config)
+    chosen = getattr(config, "gpu_workers", None) or workers  # conftest: a command line -n wins
+    chosen = chosen if gpus == 1 else workers  # several GPUs: one worker takes every run
     for opt in chosen_tiers(config):
         if not gpus:
             lines.append(f"GPU tier {opt}: no GPU here (GPU_TEST_DEVICES=8 lists its runs)")
             continue
-        n, seconds = estimate(TIERS[opt](gpus))
+        cases = TIERS[opt](gpus)
+        n, seconds = estimate(cases)
+        skip = sum(case.needs_gpus > gpus for case in cases)
         lines.append(
-            f"GPU tier {opt}: {n} runs at {gpus} GPU(s), estimate {seconds / 60:.1f} min "
-            f"(sum of per-run budgets, reasoned; limit per run {SLACK}x its budget)"
+            f"GPU tier {opt}: {n} runs at {gpus} GPU(s), estimate {seconds / 60:.1f} min one "
+            f"after another (sum of per-run budgets, reasoned; limit per run {SLACK}x its budget)"
+            + (f"; {skip} of them need more GPUs and skip" if skip else "")
+        )
+    if workers:
+        if chosen != workers:
+            how = f"{chosen} worker(s), as -n asks (the plan: {how})"
+        budgets = runnable_budgets(chosen_tiers(config), gpus) or [0]
+        lines.append(
+            f"GPU plan: {how}; about {makespan(budgets, max(1, chosen)) / 60:.1f} min "
+            "(each run given to the least loaded worker, longest first)"
         )
     return lines
 
@@ -442,6 +507,8 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("case", [off])
         return
     cases = [case for opt in tiers for case in TIERS[opt](gpus)]
+    if gpus == 1:  # longest first, as plan() counts (the runs share the GPU); same on every worker
+        cases.sort(key=lambda case: -case.budget)
     metafunc.parametrize("case", [pytest.param(c, id=c.id) for c in cases])
 
 
@@ -487,6 +554,8 @@ def run_case(case, tmp_path, env, real):
     if case.launcher == "elastic":
         env = {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # see launch/elastic.py
         result = run_command(elastic_command(case, args), timeout=timeout, env=env)
+        restarted = f"start: restart 1, world size {case.nproc}, resuming at step 5"
+        assert restarted in result.stdout, f"no restart after the rank's death\n{result}"
     else:
         result = run_lesson(
             case.lesson, *args, nproc=case.nproc, launcher=case.launcher, timeout=timeout, env=env
@@ -508,7 +577,8 @@ def run_case(case, tmp_path, env, real):
 
 
 def elastic_command(case, args):
-    """launch/elastic.py's documented launch: c10d rendezvous, the shared store off."""
+    """launch/elastic.py's documented launch: c10d rendezvous, the shared store off, the last
+    rank dying at step 5 and every rank restarted once."""
     return [
         sys.executable,
         "-m",
@@ -521,6 +591,8 @@ def elastic_command(case, args):
         f"--rdzv-id={uuid.uuid4().hex[:8]}",
         "--rdzv-conf=last_call_timeout=1",
         "launch/elastic.py",
+        "--fail-at-step",
+        "5",
         *args,
     ]
 

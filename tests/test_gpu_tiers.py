@@ -1,8 +1,10 @@
-"""The GPU tiers of tests/test_gpu.py, checked on the CPU (in this process, nothing launched): the
-node check fits its 15 minutes on an 8-GPU node by its budgets, holds every lesson, and every tier
-is well formed (unique ids, world sizes within the node, flags the lessons parse, outputs in tmp).
+"""The GPU tiers of tests/test_gpu.py, checked on the CPU (in this process, nothing launched but one
+row tried on Gloo with CPU tensors): the node check fits its 15 minutes on an 8-GPU node by its
+budgets, holds every lesson, and every tier is well formed (unique ids, world sizes within the
+node, flags the lessons parse, outputs in tmp, each lesson started the way it can start).
 """
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -114,3 +116,61 @@ def test_runs_write_only_to_tmp():
                 f"{lesson} writes under the checkout by default ({flags[0]}): give its row "
                 f'out="{flags[0]}" in tests/test_gpu.py'
             )
+
+
+@pytest.mark.parametrize("tier", list(gpu.TIERS))
+def test_a_lesson_with_its_own_launch_gets_it(tier):
+    """launch/elastic.py refuses torchrun's static rendezvous and the warm launcher (the agent's
+    shared store): every torchrun-like run of a lesson whose row names a launch uses it (the
+    `gloo-2-elastic` row ran under the warm launcher and failed on every machine)."""
+    for case in gpu.TIERS[tier](gpu.NODE_GPUS):
+        launch = gpu.LESSONS[case.lesson].get("launch")
+        if launch and case.launcher in ("torchrun", "warm"):
+            pytest.fail(f"{tier}: {case.id} runs under {case.launcher}, not {launch}")
+
+
+def test_the_gloo_elastic_row_runs_on_cpu(tmp_path):
+    """The --gpu-full row gloo-2-elastic, run as test_gpu.run_case runs it, on CPU tensors: elastic
+    torchrun, the last rank dies at step 5, both restart and finish with the serial result."""
+    (case,) = [c for c in gpu.full_matrix(gpu.NODE_GPUS) if c.id == "gloo-2-elastic"]
+    args = tuple("cpu" if a == "cuda" else a for a in case.args)
+    assert args != case.args  # it was the Gloo-with-CUDA row
+    gpu.run_case(dataclasses.replace(case, args=args), tmp_path, env={}, real=0)
+
+
+class Options:
+    """What plan() and collection_report() read of pytest's config: the tier options."""
+
+    def __init__(self, *chosen):
+        self.chosen = chosen
+
+    def getoption(self, name):
+        return name in self.chosen
+
+
+def test_makespan_gives_each_run_to_the_least_loaded_worker():
+    assert gpu.makespan([3, 3, 2, 2, 2], 2) == 7  # 3+2+2 | 3+2
+    assert gpu.makespan([5, 1, 1], 3) == 5 and gpu.makespan([5, 1, 1], 1) == 7
+
+
+@pytest.mark.parametrize("cores, gpus", [(16, 1), (2, 1), (16, 8)])
+def test_one_gpu_plans_its_workers_for_about_3_minutes(monkeypatch, cores, gpus):
+    """On one GPU, `pytest --gpu` takes the fewest workers that bring the node check to about
+    3 minutes, within the cores; on several GPUs one run at a time. The plan is printed."""
+    monkeypatch.setenv("GPU_TEST_DEVICES", str(gpus))
+    monkeypatch.setenv("GPU_TEST_CPUS", str(cores))
+    workers, how = gpu.plan(Options("--gpu"))
+    budgets = [case.budget for case in gpu.node_check(gpus)]
+    if gpus > 1 or cores < 2 * gpu.CORES_PER_WORKER:
+        assert workers == 1, how
+    else:
+        assert 1 < workers <= cores // gpu.CORES_PER_WORKER, how
+        assert (
+            gpu.makespan(budgets, workers)
+            <= gpu.ONE_GPU_TARGET_S
+            < gpu.makespan(budgets, workers - 1)
+        ), how
+    (plan_line,) = [line for line in gpu.collection_report(Options("--gpu")) if "plan" in line]
+    assert f"{workers} worker" in plan_line
+    minutes = gpu.makespan(budgets, workers) / 60
+    assert f"about {minutes:.1f} min" in plan_line, plan_line

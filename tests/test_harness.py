@@ -12,7 +12,7 @@ import time
 import pytest
 
 import warm_launcher
-from harness import WARM, assert_fails, assert_ok, run_lesson
+from harness import RUN_MARK, WARM, assert_fails, assert_ok, run_lesson
 
 
 def script(tmp_path, body, name="script.py"):
@@ -86,6 +86,7 @@ def test_environment_is_torchrun_s(tmp_path):
                 view["env"].pop("TORCHELASTIC_ERROR_FILE").endswith(f"/attempt_0/{rank}/error.json")
             )
             assert view["env"].pop("MASTER_PORT").isdigit()
+        assert real["env"].pop(RUN_MARK)  # the harness's mark on a real run (harness.end_run)
         assert warm == real
     assert views["warm"][0]["argv"] == [str(path), "--flag", "x y"]
     assert views["warm"][0]["path"][0] == str(tmp_path.resolve())
@@ -168,6 +169,40 @@ def test_hanging_run_is_killed_at_timeout_with_every_process(tmp_path):
     assert len(pids) == 3 and group not in pids
     assert wait_until_gone(pids + [group]) == [], f"still running: {pids} {result}"
     assert group_members(group) == []
+
+
+HANG = """
+    import os, subprocess, sys, time
+    pids = [os.getpid()]
+    if os.environ["RANK"] == "0":
+        sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+        pids.append(subprocess.Popen(sleeper).pid)
+    print("pids", os.getpgid(0), *pids, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_hanging_torchrun_run_is_ended_at_its_limit_with_every_process(tmp_path):
+    """Real torchrun starts each rank in a session of its own: the run still ends within seconds of
+    its limit, with torchrun, both ranks and a rank's child gone (it took 100.8 s for an 8 s limit
+    when only torchrun's process group was killed)."""
+    path, limit = script(tmp_path, HANG), 20  # torchrun and two ranks start well within 20 s
+    start = time.monotonic()
+    result = run_lesson(path, nproc=2, launcher="torchrun", timeout=limit)
+    took = time.monotonic() - start
+    assert result.timed_out and result.returncode != 0, result
+    assert took < limit + 8, f"returned {took:.1f} s after the start, limit {limit} s\n{result}"
+    lines = [
+        list(map(int, line.split()[1:]))
+        for line in result.stdout.splitlines()
+        if line.startswith("pids")
+    ]
+    assert len(lines) == 2, result  # both ranks ran, and their output before the kill is kept
+    groups = {line[0] for line in lines}
+    pids = [pid for line in lines for pid in line[1:]]
+    assert len(pids) == 3 and len(groups) == 2, result  # two ranks, two sessions (torchrun's)
+    assert wait_until_gone(pids) == [], f"still running: {pids}\n{result}"
+    assert all(group_members(group) == [] for group in groups)
 
 
 def test_output_of_every_rank_is_captured(tmp_path):

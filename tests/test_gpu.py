@@ -178,7 +178,7 @@ LESSONS = {
     "fsdp_basics/zero_stages.py": BATCH48,
     "fsdp_basics/zero_redundancy_optimizer.py": dict(BATCH48, out="--checkpoint"),  # a file
     "fsdp_basics/fsdp_memory_plan.py": dict(ANY, extra=5),  # any N: planned for the size it runs
-    "fsdp_basics/hsdp.py": BATCH48,  # and --replicas (default 2 at 4+ even ranks, else 1) divides N
+    "fsdp_basics/hsdp.py": BATCH48,  # and --replicas (default: the smallest divisor of N above 1)
     "fsdp_basics/fsdp_overlap.py": BATCH48,
     "transformer_basics/train.py": dict(
         min_ranks=1, gloo_cuda=True, args=["--steps", "60"], extra=5, out="--out"

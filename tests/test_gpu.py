@@ -166,8 +166,10 @@ LESSONS = {
     # any N: 100 samples pad at 3, 6, 7 and 8 GPUs, which it checks
     "ddp_basics/distributed_eval.py": ANY,
     "ddp_basics/ddp_overlap.py": ANY,  # any N: each rank trains on its own slice of generated data
-    # --steps 32: 11 trainings of 32 steps, then rank 0 simulates N replicas 6 times (reasoned)
-    "ddp_basics/local_sgd.py": dict(min_ranks=1, gloo_cuda=False, args=["--steps", "32"], extra=3),
+    # 7 trainings of 16 steps, then rank 0 simulates N replicas 4 times (reasoned)
+    "ddp_basics/local_sgd.py": dict(
+        min_ranks=1, gloo_cuda=False, args=["--steps", "16", "--sync-every", "1,8"], extra=1
+    ),
     # N must divide --batch (48) since it reduce_scatters the batch
     "fsdp_basics/zero_by_hand.py": BATCH48,
     "fsdp_basics/fsdp_minimal.py": BATCH48,
@@ -223,7 +225,7 @@ NODE_GLOO = [
     "primitives/all_to_all.py",  # the list form
     "fsdp_basics/fsdp_minimal.py",  # FSDP2 on Gloo
     "primitives/dtensor_basics.py",  # DTensor on Gloo with CUDA tensors: the RNG tracker's path
-    "ddp_basics/ddp_minimal.py",
+    # ddp_minimal.py's Gloo run moved to --gpu-full: local_sgd.py's NCCL runs took its 15 min share
 ]
 # `python lesson.py --nproc N` (mp's forkserver path with CUDA) in the node check.
 NODE_PYTHON = [

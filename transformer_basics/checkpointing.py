@@ -90,6 +90,8 @@ def publish(tmp, path, ctx):
         os.replace(link, path)  # the switch
         if old:
             shutil.rmtree(old, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()  # no rank reads path before rank 0 has switched it
 
 
 class Checkpointer:

@@ -251,16 +251,23 @@ def test_check_fits_names_the_file_and_the_difference(whole_run, tmp_path):
     [
         ("fsdp", ["--n-layer", "1"], "checkpoint has blocks.1.attn.k.bias, which this model lacks"),
         ("ddp", "garbage", "checkpoint.pt is not a checkpoint of this script (not a zip"),
+        ("fsdp", "empty-shard", "__1_0.distcp is missing or shorter than its metadata says"),
+        ("fsdp", "cut-shard", "__0_0.distcp is missing or shorter than its metadata says"),
     ],
-    ids=["fsdp-deeper", "ddp-not-a-checkpoint"],
+    ids=["fsdp-deeper", "ddp-not-a-checkpoint", "fsdp-empty-shard", "fsdp-cut-shard"],
 )
 def test_resume_from_a_checkpoint_that_does_not_fit(parallel, change, message, whole_run, tmp_path):
     """The lesson, on every rank: DCP's metadata of a deeper model (fsdp), a file that is not a
-    checkpoint (ddp): one line and exit 2, no traceback."""
+    checkpoint (ddp), a DCP shard empty or cut short: one line and exit 2, no traceback."""
     shutil.copytree(whole_run(parallel)[1], tmp_path, dirs_exist_ok=True)
     if change == "garbage":
         (tmp_path / "checkpoint.pt").write_bytes(b"\x00" * 100)
-        change = []
+    elif change == "empty-shard":  # a full disk: the file made, nothing written
+        (tmp_path / "checkpoint" / "__1_0.distcp").write_bytes(b"")
+    elif change == "cut-shard":  # a copy cut short
+        shard = tmp_path / "checkpoint" / "__0_0.distcp"
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    change = [] if isinstance(change, str) else change
     args = ["--parallel", parallel, *GPT_SMALL, *change, "--resume", "--out", tmp_path]
     result = run_lesson(TRAIN, *args, nproc=2, launcher="warm", timeout=TIMEOUT)
     assert_fails(result, message, within=2)

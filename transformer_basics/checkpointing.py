@@ -189,11 +189,17 @@ def export_full_model(model, cfg, path):
 
 def check_fits(path, model, ctx):
     """Every rank compares the checkpoint's tensor names and shapes (DCP's metadata, or the file
-    memory-mapped) with this model's: not a checkpoint, or one of another model (--n-embd,
-    --n-layer...; --n-head changes no shape), ends the run with one line naming the file."""
+    memory-mapped) with this model's: not a checkpoint, a DCP shard missing, empty or cut short,
+    or one of another model (--n-embd, --n-layer...; --n-head changes no shape), ends the run
+    with one line naming the file."""
     try:
         if os.path.isdir(path):
-            meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+            metadata = dcp.FileSystemReader(path).read_metadata()
+            for info in metadata.storage_data.values():  # the file and place of every tensor
+                file = os.path.join(path, info.relative_path)  # an empty or cut shard: refused
+                if not os.path.isfile(file) or os.path.getsize(file) < info.offset + info.length:
+                    raise ValueError(f"{file} is missing or shorter than its metadata says")
+            meta = metadata.state_dict_metadata
             saved = {
                 k.removeprefix("model."): tuple(m.size)
                 for k, m in meta.items()

@@ -143,13 +143,19 @@ def main(args, ctx):
 
 
 def check_checkpoint_fits(path, model_sd, ctx):
-    """Stop every rank with one line when `path` is no DCP checkpoint, or holds a model of other
-    shapes (dcp.load would raise a CheckpointException from every rank): its .metadata file lists
+    """Stop every rank with one line when `path` is no DCP checkpoint, a shard file is missing or
+    cut short, or it holds a model of other shapes (dcp.load would raise a CheckpointException
+    from every rank, or an error in the read): its .metadata file lists
     each saved tensor's global size under its flattened name ("model.blocks.0.fc.weight")."""
     try:
-        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        metadata = dcp.FileSystemReader(path).read_metadata()
     except Exception as error:  # no .metadata (FileNotFoundError), or not one of DCP's
         ctx.require(False, f"--resume: {path} is not a DCP checkpoint ({type(error).__name__})")
+    for info in metadata.storage_data.values():  # each tensor's file, offset and length
+        file = path / info.relative_path  # missing, empty or cut short: dcp.load would raise
+        ok = file.is_file() and file.stat().st_size >= info.offset + info.length
+        ctx.require(ok, f"--resume: {path} is damaged: {file} is shorter than its metadata says")
+    saved = metadata.state_dict_metadata
     here = {f"model.{k}": tuple(v.shape) for k, v in model_sd.items()}
     there = {k: tuple(v.size) for k, v in saved.items() if k in here or k.startswith("model.")}
     differ = [

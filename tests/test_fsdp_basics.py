@@ -175,6 +175,13 @@ def test_checkpoint_reshard_and_crash(tmp_path):
         within=2,
     )
     assert "Traceback" not in other.output, other
+    # A shard cut short (a full disk, a copy stopped half-way): one line that names the file.
+    shard = ck / "step_000008" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    cut = run_lesson(lesson, "--dir", ck, "--resume", nproc=2, launcher="warm", timeout=TIMEOUT)
+    damaged = f"{ck / 'step_000008'} is damaged: {shard} is shorter than its metadata says"
+    assert_fails(cut, f"error: --resume: {damaged}", within=2)
+    assert "Traceback" not in cut.output, cut
 
 
 def test_checkpoint_resume_from_no_checkpoint_is_one_line(tmp_path):

@@ -169,8 +169,9 @@ def print_table_and_check(runs, args, ctx):
         raise RuntimeError(
             f"{', '.join(trained)} should train the same model, but their losses differ: {trained}"
         )
+    print0()  # a blank line after the tables
     print0(
-        f"\nOK: measured {', '.join(args.modes)} on {n} rank(s); "
+        f"OK: measured {', '.join(args.modes)} on {n} rank(s); "
         f"{', '.join(trained)} ended at the same loss (spread {spread:.1e})"
     )
 

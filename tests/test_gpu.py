@@ -150,6 +150,10 @@ LESSONS = {
     "launch/spawn_template.py": dict(
         min_ranks=1, gloo_cuda=None, nccl="its own mp.spawn, Gloo on CPU (NODE_OTHER)"
     ),
+    # its own launcher (not one torchrun job) and Gloo groups on CPU tensors, built by hand
+    "launch/fault_tolerant_ddp.py": dict(
+        min_ranks=2, gloo_cuda=None, nccl="its own launcher, Gloo on CPU (NODE_OTHER)"
+    ),
     "ddp_basics/manual_data_parallel.py": dict(min_ranks=1, gloo_cuda=True, divides=96),
     "ddp_basics/ddp_minimal.py": ANY,
     "ddp_basics/ddp_checkpoint.py": dict(min_ranks=1, gloo_cuda=True, out="--out"),
@@ -219,13 +223,13 @@ LESSONS = {
 }
 # Gloo with CUDA tensors in the node check: each teaches something (the rest: --gpu-full).
 NODE_GLOO = [
-    "primitives/point_to_point.py",  # the refusal: Gloo has no send/recv on CUDA tensors
-    "primitives/all_reduce.py",
     "primitives/reduce_scatter.py",  # the list form, staged through the host
     "primitives/all_to_all.py",  # the list form
     "fsdp_basics/fsdp_minimal.py",  # FSDP2 on Gloo
     "primitives/dtensor_basics.py",  # DTensor on Gloo with CUDA tensors: the RNG tracker's path
     # ddp_minimal.py's Gloo run moved to --gpu-full: local_sgd.py's NCCL runs took its 15 min share
+    # all_reduce.py's and point_to_point.py's (its refusal of CUDA tensors on Gloo is decided
+    # before any GPU work) moved there too: fault_tolerant_ddp.py's run took their share
 ]
 # `python lesson.py --nproc N` (mp's forkserver path with CUDA) in the node check.
 NODE_PYTHON = [
@@ -339,6 +343,9 @@ def other_cases(gpus):
         ),
         Case("other-rpc_pipeline", "primitives/rpc_pipeline.py", "python", 3, BUDGET["python"]),
         Case("other-spawn_template", "launch/spawn_template.py", "command", 2, BUDGET["python"]),
+        # the README's command on a GPU node (CPU tensors there too): the launcher's and the
+        # forkserver's torch imports, 3 replicas forked, 12 steps of a tiny MLP (reasoned)
+        Case("other-fault_tolerant_ddp", "launch/fault_tolerant_ddp.py", "command", 3, 5),
         # train.py in one process, then generate.py samples from its model.pt on the GPU
         Case("other-generate", "transformer_basics/generate.py", "command", 1, 20),
     ]
@@ -600,7 +607,7 @@ def elastic_command(case, args):
 
 
 def command_case(case, tmp_path, env, timeout, device):
-    if case.lesson == "launch/spawn_template.py":
+    if case.lesson in ("launch/spawn_template.py", "launch/fault_tolerant_ddp.py"):
         result = run_command(
             [sys.executable, case.lesson, "--nproc", str(case.nproc)], timeout=timeout, env=env
         )

@@ -9,10 +9,9 @@ joins and receives the weights and momentum by broadcast before its first step.
     python launch/fault_tolerant_ddp.py --nproc 3                  # the last replica dies at step 6
     python launch/fault_tolerant_ddp.py --nproc 4 --kill-rank 0 --kill-step 3
 
-Not one torchrun job: torchrun's agent stops every worker when one dies. This script is its own
-launcher: it hosts the TCPStore (it trains nothing, so no replica's death takes the store along:
-rank 0's store would die with rank 0), forks the replicas, tells the store when one dies and
-starts the replacement. Across machines, see launch/README.md ("Keep going").
+Not one torchrun job (its agent stops every worker when one dies): this script is the launcher.
+It hosts the TCPStore (rank 0's would die with rank 0), forks the replicas, says in the store when
+one dies and starts the replacement. Across machines: launch/README.md, "Keep going".
 Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.Store
 """
 
@@ -40,7 +39,8 @@ def launch(args):
     procs = {rid: start(rid) for rid in range(args.nproc)}
     for p in procs.values():
         p.start()
-    deadline, codes, died, resumed = time.monotonic() + 30 + 4 * args.timeout, {}, None, None
+    limit = 30 + 4 * args.timeout + 0.1 * args.steps  # every wait bounded, this one too
+    deadline, codes, died, resumed = time.monotonic() + limit, {}, None, None
     while len(codes) < len(procs) and time.monotonic() < deadline:
         for rid, p in list(procs.items()):
             if rid not in codes and p.exitcode is not None:
@@ -65,10 +65,8 @@ def replica(args, rid, port):
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
     torch.manual_seed(0)  # every replica builds the same model; a replacement is overwritten
     model, momenta = build()
-    if rid < args.nproc:
-        g, step = 0, 0
-    else:  # the replacement: wait until the survivors admit it
-        g, step = int(store.get(f"admitted/{rid}")), -1
+    # the replacement waits until the survivors admit it into generation g
+    g, step = (0, 0) if rid < args.nproc else (int(store.get(f"admitted/{rid}")), -1)
     members = json.loads(store.get(f"gen{g}/members"))
     while step < args.steps:
         pg = dist.ProcessGroupGloo(
@@ -112,7 +110,7 @@ def sgd_step(model, momenta, lr):  # torch.optim.SGD(momentum=0.9), written out
 
 def batch(step, rank, size):  # each rank of each step draws its own batch
     g = torch.Generator().manual_seed(10_000 * step + rank)
-    x = torch.randn(size, 8, generator=g, dtype=torch.float64)
+    x = torch.randn(size, 8, generator=g, dtype=torch.float64, device="cpu")
     return x, torch.sin(x.sum(1, keepdim=True))
 
 
@@ -129,13 +127,11 @@ def train_step(model, momenta, pg, store, g, args, step):
     work.wait()  # raises here if the all_reduce failed ("Connection reset by peer")
     torch.nn.utils.vector_to_parameters(flat / pg.size(), [p.grad for p in model.parameters()])
     sgd_step(model, momenta, args.lr)  # after a completed all_reduce: a failed step changes nothing
-    if pg.rank() == 0:
-        store.set("progress", str(step + 1))
+    store.set("progress", str(step + 1))  # the launcher times the recovery by it
 
 
 def survivors(store, g, rid, members, seconds):
-    """Members of the next generation: those that arrive, once each other one is reported dead
-    by its launcher, or after `seconds` (a lost machine has no launcher left to report it)."""
+    """Who arrives, once the others are reported dead by the launcher, or after `seconds`."""
     store.set(f"gen{g + 1}/here/{rid}", "")
     deadline = time.monotonic() + seconds
     while True:
@@ -148,7 +144,7 @@ def survivors(store, g, rid, members, seconds):
 
 def sync_state(model, momenta, pg, step):
     """The most advanced member sends weights and momentum to all; returns the step to resume."""
-    steps = torch.zeros(pg.size(), dtype=torch.int64)
+    steps = torch.zeros(pg.size(), dtype=torch.int64, device="cpu")
     steps[pg.rank()] = step
     dist.all_reduce(steps, group=pg)
     src = int(steps.argmax())  # a replacement (step -1) never sends
@@ -161,7 +157,6 @@ def sync_state(model, momenta, pg, step):
 
 
 def report(store, rid, model, momenta):
-    """Each replica's final weights and momentum, into the store for the launcher's check."""
     buffer = io.BytesIO()
     torch.save([t.detach() for t in [*model.parameters(), *momenta]], buffer)
     store.set(f"final/{rid}", buffer.getvalue())
@@ -198,15 +193,16 @@ def check(args, store, codes, recovery_s):
     if [len(m) for _, _, m in gens] != [n, n - 1, n] or n not in gens[-1][2]:
         raise RuntimeError(f"generations {gens}: expected {n}, {n - 1}, {n} ranks (with {n})")
     live = gens[-1][2]
-    finals = [torch.load(io.BytesIO(store.get(f"final/{m}")), weights_only=True) for m in live]
+    blobs = [io.BytesIO(store.get(f"final/{m}")) for m in live]
+    finals = [torch.load(b, weights_only=True, map_location="cpu") for b in blobs]
     for m, state in zip(live, finals):
         if not all(torch.equal(a, b) for a, b in zip(state, finals[0])):
             raise RuntimeError(f"replica {m}'s weights or momentum differ from replica {live[0]}'s")
     worst = max((a - b).abs().max().item() for a, b in zip(finals[0], replay(args, gens)))
     if worst > 1e-9:
         raise RuntimeError(f"the final state differs from the one-process replay by {worst:.2e}")
-    print(f"replica {killed} killed at step {args.kill_step}; "
-          + ", ".join(f"steps {s}-{e - 1} on replicas {m}" for s, e, m in gens))  # fmt: skip
+    history = ", ".join(f"steps {s}-{e - 1} on replicas {m}" for s, e, m in gens)
+    print(f"replica {killed} killed at step {args.kill_step}; {history}")
     print(f"recovery: {recovery_s:.3f} s from the death to the next completed step")
     ok = f"OK: {args.steps} steps, replica {killed} SIGKILLed and replaced without a restart; "
     print(ok + f"the {n} live replicas are identical and equal a one-process replay ({worst:.1e})")
@@ -219,13 +215,11 @@ def refuse(args):
     if args.nproc < 2:
         raise UsageError(f"--nproc {args.nproc}: needs 2 replicas or more (one dies, one goes on)")
     if args.backend not in (None, "gloo") or args.device not in (None, "cpu"):
-        raise UsageError("this lesson builds Gloo groups on CPU tensors by hand; for NCCL see "
-                         "launch/README.md (shrink_group, abort)")  # fmt: skip
+        raise UsageError("Gloo groups on CPU tensors only; for NCCL see launch/README.md")
     if args.kill_rank >= args.nproc:
         raise UsageError(f"--kill-rank {args.kill_rank}: there are replicas 0..{args.nproc - 1}")
     if args.kill_step + args.rejoin_after >= args.steps:
-        raise UsageError(f"--kill-step {args.kill_step} + --rejoin-after {args.rejoin_after} "
-                         f"leaves the replacement no step of --steps {args.steps}")  # fmt: skip
+        raise UsageError(f"--kill-step + --rejoin-after leave no step of --steps {args.steps}")
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ import pytest
 from harness import assert_fails, assert_ok, mutant, run_lesson
 
 LESSON = "launch/fault_tolerant_ddp.py"
-# The lesson ends itself first: its launcher kills the replicas 30 s + 4 x --timeout (10 s) after
-# they start, so a stuck run fails with the lesson's message, not at this limit.
+# The lesson ends itself first: its launcher kills the replicas 30 s + 4 x --timeout (10 s) + 0.1 s
+# a step after they start (71.2 s), so a stuck run fails with the lesson's message, not here.
 T = 150
 SYNC = "    for t in [*model.parameters(), *momenta]:\n        dist.broadcast"
 
@@ -59,7 +59,10 @@ def test_a_replacement_without_the_state_fails_the_check(mistake, tmp_path):
     "args, message",
     [
         (("--nproc", "1"), "--nproc 1: needs 2 replicas or more"),
-        (("--nproc", "2", "--kill-step", "10"), "leaves the replacement no step of --steps 12"),
+        (
+            ("--nproc", "2", "--kill-step", "10"),
+            "--kill-step + --rejoin-after leave no step of --steps 12",
+        ),
     ],
 )
 def test_what_it_cannot_do_is_refused_in_one_line(args, message):

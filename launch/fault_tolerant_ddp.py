@@ -4,7 +4,8 @@ N replicas train one small MLP, each on a batch of its own, gradients averaged b
 a Gloo group. At --kill-step replica --kill-rank SIGKILLs its own process. The survivors see their
 all_reduce fail, agree in the store on who is left, build a new Gloo group (generation g+1, ranks
 renumbered) and redo the failed step among themselves; --rejoin-after steps later a replacement
-joins and receives the weights and momentum by broadcast before its first step.
+joins and receives the weights and momentum by broadcast before its first step. A death is seen
+at once (the kernel closes its sockets); what closes none (a lost machine) only after --timeout.
 
     python launch/fault_tolerant_ddp.py --nproc 3                  # the last replica dies at step 6
     python launch/fault_tolerant_ddp.py --nproc 4 --kill-rank 0 --kill-step 3

@@ -32,7 +32,7 @@ MAX_LINES = 250
 LONGER = {
     "primitives/flight_recorder.py": (110, "the faults, the dump and the analyzer are the lesson"),
     "launch/fault_tolerant_ddp.py": (
-        155,
+        158,
         "its own launcher, the failed step, the regroup, the join and the state sync",
     ),
     "primitives/hello_distributed.py": (120, "the whole set-up by hand, torchrun and spawn paths"),

@@ -36,10 +36,14 @@ def launch(args):
     store.set("gen0/members", json.dumps(list(range(args.nproc))))
     forks = multiprocessing.get_context("forkserver")  # torch imported once, each replica forked
     multiprocessing.set_forkserver_preload(["torch"])
-    start = lambda rid: forks.Process(target=replica, args=(args, rid, store.port))  # noqa: E731
-    procs = {rid: start(rid) for rid in range(args.nproc)}
-    for p in procs.values():
-        p.start()
+    procs = {}
+
+    def start(rid):  # daemon: ended when the launcher exits (its deadline, an error, Ctrl-C)
+        procs[rid] = forks.Process(target=replica, args=(args, rid, store.port), daemon=True)
+        procs[rid].start()
+
+    for rid in range(args.nproc):
+        start(rid)
     limit = 30 + 4 * args.timeout + 0.1 * args.steps  # every wait bounded, this one too
     deadline, codes, died, resumed = time.monotonic() + limit, {}, None, None
     while len(codes) < len(procs) and time.monotonic() < deadline:
@@ -49,15 +53,11 @@ def launch(args):
                 if p.exitcode == -signal.SIGKILL and args.nproc not in procs:
                     store.set(f"dead/{rid}", "")  # survivors stop waiting for it
                     store.set("joiner", str(args.nproc))  # a new id: the dead one's stays dead
-                    procs[args.nproc] = start(args.nproc)
-                    procs[args.nproc].start()
+                    start(args.nproc)
                     died = time.monotonic()
         if died and not resumed and int(store.get("progress")) > args.kill_step:
             resumed = time.monotonic()  # the failed step, redone, has completed
         time.sleep(0.01)
-    for p in procs.values():  # a failed or late run: no replica outlives the launcher
-        if p.exitcode is None:
-            p.kill()
     return store, codes, resumed - died if resumed else None
 
 

@@ -4,8 +4,9 @@ Run as a reader runs it, `python launch/fault_tolerant_ddp.py --nproc N` (its ow
 replicas cannot be one torchrun job), at 2, 3 and 4 replicas, the last one or replica 0 dying: the
 OK line, every survivor's failed step, a recovery within the collective timeout (the death was seen
 at once, not at --timeout). A replacement that does not receive the weights (or the momentum) from a
-survivor fails the lesson's own check (source mutations of a copy). What it cannot do is refused in
-one line: one replica, a kill step that leaves the replacement no step, a start under torchrun.
+survivor fails the lesson's own check (source mutations of a copy); a replacement never admitted
+ends the run within the lesson's own --timeout, not at the test's limit. What it cannot do is
+refused in one line: one replica, a kill step that leaves the replacement no step, under torchrun.
 """
 
 import re
@@ -53,6 +54,21 @@ def test_a_replacement_without_the_state_fails_the_check(mistake, tmp_path):
     copy = mutant(tmp_path, LESSON, (SYNC, mistake))
     result = run_lesson(copy, nproc=2, launcher="python", timeout=T)
     assert_fails(result, "replica 2's weights or momentum differ from replica 0's", within=1)
+
+
+def test_a_replacement_never_admitted_ends_the_run_by_itself(tmp_path):
+    """Every wait is bounded: the replacement's wait for admission, the survivors' new group."""
+    copy = mutant(
+        tmp_path,
+        LESSON,
+        ('            store.set(f"admitted/{joined}", str(g))', "            pass"),
+    )
+    result = run_lesson(copy, "--timeout", "3", nproc=2, launcher="python", timeout=T)
+    assert_fails(result, "expected {0: 0, 1: -9, 2: 0}", within=1)  # 0 and 2 exited with 1
+    assert re.search(r"replica exit codes \{1: -9, (0: 1, 2: 1|2: 1, 0: 1)\}", result.stderr), (
+        result
+    )
+    assert "wait timeout after 3000ms, keys: /admitted/2" in result.stderr, str(result)
 
 
 @pytest.mark.parametrize(

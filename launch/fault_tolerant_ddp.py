@@ -226,13 +226,13 @@ def refuse(args):
 if __name__ == "__main__":
     parser = lesson_parser(__doc__, min_ranks=2)
     parser.set_defaults(timeout=os.environ.get("DIST_TIMEOUT", "10"))
-    parser.add_argument("--steps", type=int_in(2, 10_000), default=12)
+    parser.add_argument("--steps", type=int_in(2, 10_000), default=12, help="training steps")
     parser.add_argument("--kill-rank", type=int_in(0, 4095), help="default: the last replica")
     parser.add_argument("--kill-step", type=int_in(1, 10_000), help="default: --steps // 2")
     parser.add_argument("--rejoin-after", type=int_in(1, 10_000), default=2,
                         help="steps on the survivors before the replacement joins")  # fmt: skip
     parser.add_argument("--batch", type=int_in(1, 4096), default=8, help="rows per replica")
-    parser.add_argument("--lr", type=float_in(0, 1, low_open=True), default=0.05)
+    parser.add_argument("--lr", type=float_in(0, 1, low_open=True), default=0.05, help="SGD's")
     args = parser.parse_args()
     args.nproc = args.nproc or 2
     args.kill_rank = args.nproc - 1 if args.kill_rank is None else args.kill_rank

@@ -232,7 +232,7 @@ if __name__ == "__main__":
     parser.add_argument("--rejoin-after", type=int_in(1, 10_000), default=2,
                         help="steps on the survivors before the replacement joins")  # fmt: skip
     parser.add_argument("--batch", type=int_in(1, 4096), default=8, help="rows per replica")
-    parser.add_argument("--lr", type=float_in(0, 1, low_open=True), default=0.05, help="SGD's")
+    parser.add_argument("--lr", type=float_in(0, 1, low_open=True), default=0.05, help="SGD lr")
     args = parser.parse_args()
     args.nproc = args.nproc or 2
     args.kill_rank = args.nproc - 1 if args.kill_rank is None else args.kill_rank

@@ -31,6 +31,7 @@ MAX_LINES = 250
 # lesson: (lines allowed above the divider, why this lesson cannot be one screen)
 LONGER = {
     "primitives/flight_recorder.py": (110, "the faults, the dump and the analyzer are the lesson"),
+    "primitives/debug_server.py": (108, "the hang, the watchdog thread and the pages it reads"),
     "primitives/hello_distributed.py": (120, "the whole set-up by hand, torchrun and spawn paths"),
     "primitives/init_methods.py": (115, "four ways to form a group, each spelled out"),
     "transformer_basics/ring_attention.py": (

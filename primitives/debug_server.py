@@ -5,8 +5,8 @@ an HTTP server in every rank and, on rank 0, a front end (port 25999) whose page
 once: /stacks, /fr_trace_json (flight records), /tcpstore. Both listen on every interface (README).
 Here --stuck-rank sleeps in step --hang-step and the others wait; rank 0's watchdog thread, once no
 step has ended for --late s, reads two pages on 127.0.0.1 and prints where each rank waits and who
-is behind; after --stall s the rank wakes and the job ends. To look in a browser: --stall 300 and
-open http://HOST:PORT/stacks (an SSH tunnel to HOST: -L PORT:127.0.0.1:PORT).
+is behind; after --stall s the rank wakes and the job ends. To look in a browser: --stall 300
+--timeout 600, then open http://HOST:PORT/stacks (an SSH tunnel to HOST: -L PORT:127.0.0.1:PORT).
 
     torchrun --nproc_per_node=3 primitives/debug_server.py
     python primitives/debug_server.py --nproc 2 --stuck-rank 0 --port 26001
@@ -62,7 +62,7 @@ def main(args, ctx):
 def load_batch(step, args, stalls):
     if stalls and step == args.hang_step:
         time.sleep(args.stall)  # stuck: a network disk, a dead data worker, a deadlock...
-    return torch.full((args.size,), float(step))
+    return torch.full((args.size,), float(step), device="cpu")  # a host batch, as loaders make
 
 
 def watchdog(urls, late, beats, done, report):

@@ -227,9 +227,8 @@ NODE_GLOO = [
     "primitives/reduce_scatter.py",  # the list form, staged through the host
     "primitives/all_to_all.py",  # the list form
     "fsdp_basics/fsdp_minimal.py",  # FSDP2 on Gloo
-    # ddp_minimal.py's Gloo run moved to --gpu-full: local_sgd.py's NCCL runs took its 15 min share;
-    # dtensor_basics.py's (the RNG tracker on Gloo with CUDA tensors) and its python run below:
-    # debug_server.py's hang took theirs (issue 43)
+    "primitives/dtensor_basics.py",  # DTensor on Gloo with CUDA tensors: the RNG tracker's path
+    # ddp_minimal.py's Gloo run moved to --gpu-full: local_sgd.py's NCCL runs took its 15 min share
 ]
 # `python lesson.py --nproc N` (mp's forkserver path with CUDA) in the node check.
 NODE_PYTHON = [
@@ -237,6 +236,8 @@ NODE_PYTHON = [
     "ddp_basics/ddp_minimal.py",
     "fsdp_basics/fsdp_minimal.py",
     "launch/elastic.py",
+    # dtensor_basics.py's run (DTensor's RNG tracker on the spawn path) moved to --gpu-full:
+    # debug_server.py's hang took its share (issue 43)
 ]
 
 
@@ -348,7 +349,7 @@ def other_cases(gpus):
             "primitives/debug_server.py",
             "warm",
             2,
-            BUDGET["warm"] + 5,
+            BUDGET["warm"] + 4.5,
             (("--backend", "nccl") if gpus >= 2 else ("--backend", "gloo", "--device", "cuda"))
             + ("--stall", "3", "--late", "1", "--port", "26999"),
             needs_gpus=two,

@@ -31,7 +31,6 @@ MAX_LINES = 250
 # lesson: (lines allowed above the divider, why this lesson cannot be one screen)
 LONGER = {
     "primitives/flight_recorder.py": (110, "the faults, the dump and the analyzer are the lesson"),
-    "primitives/debug_server.py": (108, "the hang, the watchdog thread and the pages it reads"),
     "primitives/hello_distributed.py": (120, "the whole set-up by hand, torchrun and spawn paths"),
     "primitives/init_methods.py": (115, "four ways to form a group, each spelled out"),
     "transformer_basics/ring_attention.py": (
@@ -54,6 +53,7 @@ LONGER = {
     "fsdp_basics/zero_stages.py": (111, "ZeRO-1 and 2 by hand: the flat buffer and its slices"),
     # primitives/ (ring_all_reduce ... grad_through_collectives): one block
     "primitives/ring_all_reduce.py": (83, "two algorithms, ring and tree, side by side"),
+    "primitives/debug_server.py": (108, "the hang, the watchdog thread and the pages it reads"),
     "transformer_basics/benchmark.py": (130, "six ways to build one GPT and the timing loop"),
     "transformer_basics/composition.py": (125, "AC + compile + FSDP2, + DDP, and the other order"),
     "transformer_basics/pipeline_parallel.py": (120, "stages, schedule, tied weights, step loop"),

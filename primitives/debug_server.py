@@ -181,7 +181,13 @@ if __name__ == "__main__":
     parser = lesson_parser(__doc__, min_ranks=2)
     parser.add_argument("--stuck-rank", type=int_in(0, 4095), help="default: the last rank")
     parser.add_argument("--steps", type=int_in(1, 1000), default=4, help="training steps")
-    parser.add_argument("--hang-step", type=int_in(0, 999), default=2, help="the step that hangs")
+    parser.add_argument(
+        "--hang-step",
+        type=int_in(1, 999),
+        default=2,
+        help="the step that hangs (from 1: hung in step 0, Gloo's flight-record page showed no "
+        "collective on any rank, torch 2.13)",
+    )
     parser.add_argument(
         "--stall", type=float_in(1, 3600), default=10.0, help="seconds the stuck rank sleeps"
     )

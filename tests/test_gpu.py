@@ -129,6 +129,9 @@ LESSONS = {
     "primitives/flight_recorder.py": dict(
         min_ranks=2, gloo_cuda=None, nccl="Gloo job groups on any node (other_cases)"
     ),
+    "primitives/debug_server.py": dict(
+        min_ranks=2, gloo_cuda=True, nccl="one run of its hang, at 2 GPUs (other_cases)"
+    ),
     "primitives/rpc_pipeline.py": dict(
         min_ranks=2, gloo_cuda=None, nccl="RPC on CPU tensors, no process group (NODE_OTHER)"
     ),
@@ -237,7 +240,8 @@ NODE_PYTHON = [
     "ddp_basics/ddp_minimal.py",
     "fsdp_basics/fsdp_minimal.py",
     "launch/elastic.py",
-    "primitives/dtensor_basics.py",  # DTensor's RNG tracker on the spawn path
+    # dtensor_basics.py's run (DTensor's RNG tracker on the spawn path) moved to --gpu-full:
+    # debug_server.py's hang took its share (issue 43)
 ]
 
 
@@ -340,6 +344,19 @@ def other_cases(gpus):
             "torchrun",
             3,
             BUDGET["torchrun"] + 15,
+        ),
+        # a 3 s hang read through the debug server (on NCCL: its NCCL flight-record page; on one
+        # GPU two Gloo ranks share it), once its front end (a spawned process that imports torch)
+        # answers; extra: the hang and that start
+        Case(
+            "other-debug_server",
+            "primitives/debug_server.py",
+            "warm",
+            2,
+            BUDGET["warm"] + 4.5,
+            (("--backend", "nccl") if gpus >= 2 else ("--backend", "gloo", "--device", "cuda"))
+            + ("--stall", "3", "--late", "1", "--port", "26999"),
+            needs_gpus=two,
         ),
         Case("other-rpc_pipeline", "primitives/rpc_pipeline.py", "python", 3, BUDGET["python"]),
         Case("other-spawn_template", "launch/spawn_template.py", "command", 2, BUDGET["python"]),

@@ -72,13 +72,18 @@ def port():
     return str(free_port(hold=False))  # the front end's server does not set SO_REUSEADDR on ::
 
 
+# The runs that must read the pages hang 20 s, not the default 10: in a full run on 2 cores the
+# front end's pages (which ask every rank) can take seconds to answer.
+STALL = ("--stall", "20")
+
+
 @needs_packages
 @pytest.mark.parametrize(
     "nproc, launcher, stuck",
     [pytest.param(2, "python", None, marks=pytest.mark.quick), (3, "warm", 0)],
 )
 def test_the_pages_name_the_stuck_rank(nproc, launcher, stuck):
-    args = ["--port", port()] + (["--stuck-rank", str(stuck)] if stuck is not None else [])
+    args = ["--port", port(), *STALL] + (["--stuck-rank", str(stuck)] if stuck is not None else [])
     result = run_lesson(LESSON, *args, nproc=nproc, launcher=launcher, timeout=T)
     stuck = nproc - 1 if stuck is None else stuck
     line = assert_ok(result)
@@ -112,7 +117,7 @@ MISTAKES = {
 def test_mistakes_fail_the_check(mistake, tmp_path):
     change, message = MISTAKES[mistake]
     copy = mutant(tmp_path, LESSON, change)
-    result = run_lesson(copy, "--port", port(), nproc=2, launcher="warm", timeout=T)
+    result = run_lesson(copy, "--port", port(), *STALL, nproc=2, launcher="warm", timeout=T)
     assert_fails(result, message)
 
 

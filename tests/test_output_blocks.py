@@ -37,7 +37,11 @@ here sees the first 2 CPUs of this process only, so that `dist_setup` gives each
 it gets on the 2-core machine the blocks were printed on (float results can depend on the number
 of threads). Each block runs in a fresh folder, so that what a lesson writes (`runs/...`) lands
 there; an argument under /tmp/ is moved into that folder, and the output's folder is written back
-as /tmp/. `python -c CODE` runs as a plain subprocess.
+as /tmp/. What the warm launcher cannot run as written runs as written, as a subprocess: `python
+-c CODE`, the legacy launcher (`python -m torch.distributed.launch`: it hands each rank an argument
+of its own) and a lesson that starts its own processes (one that does not go through
+`dist_setup.run`: hello_distributed.py, spawn_template.py), with the lesson's folder linked into
+the fresh one, so that its path reads as the README writes it.
 """
 
 import difflib
@@ -52,8 +56,8 @@ import time
 import pytest
 
 import warm_launcher
-from harness import ROOT, lesson_env
-from test_readmes import READMES, parse_command, rel
+from harness import ROOT, lesson_env, run_command
+from test_readmes import READMES, parse_command, rel, uses_dist_setup_run
 
 MARKER = re.compile(r"<!-- (output|output: (?P<cmd>.+)|output not compared: (?P<why>.+)|"
                     r"not output: (?P<what>.+)) -->$")  # fmt: skip
@@ -209,6 +213,22 @@ class Runner:
             return proc.returncode, proc.stdout, proc.stderr
         assert len(runs) == 1, f"not one lesson run: {command!r}"
         lesson, args, env, launcher, launcher_args = runs[0]
+        back = lambda text: text.replace(f"{folder}/tmp/", "/tmp/")  # noqa: E731
+        if launcher == "torch.distributed.launch" or not (launcher or uses_dist_setup_run(lesson)):
+            if launcher and args[-1:] == ["--local-rank=0"]:  # what parse_command adds for it
+                args = args[:-1]
+            start = [sys.executable, *(["-m", launcher, *launcher_args] if launcher else [])]
+            top = lesson.split("/")[0]  # the lesson's path as written (it may print it)
+            if not os.path.exists(f"{folder}/{top}"):
+                os.symlink(ROOT / top, f"{folder}/{top}")
+            result = run_command(
+                [*start, lesson, *args],
+                timeout=timeout,
+                env={"PYTHONPATH": str(ROOT), **env},
+                cwd=folder,
+            )
+            assert not result.timed_out, f"{command} timed out after {timeout} s\n{result}"
+            return result.returncode, back(result.stdout), back(result.stderr)
         nproc = launcher_nproc(launcher, launcher_args) if launcher else python_nproc(args)
         env = dict(self.env, **env)
         os.makedirs(f"{folder}/tmp", exist_ok=True)
@@ -217,7 +237,6 @@ class Runner:
         )
         self.cpu_s += warm_launcher.last_cpu_s or 0.0
         assert not timed_out, f"{command} timed out after {timeout} s\n{out}\n{err}"
-        back = lambda text: text.replace(f"{folder}/tmp/", "/tmp/")  # noqa: E731
         return code, back(out), back(err)
 
     def close(self):

@@ -274,6 +274,7 @@ BLOCKS = output_blocks()
 COMPARED = [b for b in BLOCKS if b["compared"]]
 
 
+@pytest.mark.quick  # in-process: no run
 def test_every_block_of_output_has_a_marker():
     missing = [
         f"{b['readme']}:{b['line']}: {b['body'][0] if b['body'] else ''!r}"
@@ -287,6 +288,7 @@ def test_every_block_of_output_has_a_marker():
     assert len(COMPARED) > 25, f"only {len(COMPARED)} blocks compared"
 
 
+@pytest.mark.quick  # in-process: no run
 def test_a_marker_names_a_command_the_prose_gives():
     problems = []
     for b in COMPARED:
@@ -330,6 +332,7 @@ def test_output_block_is_what_the_command_prints(block, runner):
                 )
 
 
+@pytest.mark.quick  # in-process: no run
 def test_the_comparison_can_fail():
     """Each marker does what it says, and a changed, missing or extra line fails."""
     shown = [

@@ -70,7 +70,8 @@ CODE_LANGUAGES = ("bash", "python", "mermaid")  # commands, code, diagrams: not 
 
 
 def fenced_blocks(readme):
-    """(line of the opening fence, info string, marker line, block lines) of every fenced block."""
+    """(line of the opening fence, info string, the line above it, block lines, the 14 lines above
+    it) of every fenced block."""
     lines = readme.read_text().splitlines()
     i = 0
     while i < len(lines):
@@ -114,7 +115,9 @@ def segments(block):
         if text.startswith("$ "):
             found.append((text[2:], []))
         elif not found:
-            raise AssertionError(f"an `<!-- output -->` block starts with a `$ ` line: {text!r}")
+            raise AssertionError(
+                f"an `<!-- output -->` block must start with a `$ ` line: {text!r}"
+            )
         else:
             found[-1][1].append(text)
     for _, shown in found:  # a blank line between two commands is no output

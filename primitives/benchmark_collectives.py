@@ -23,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 from benchmark_calls import fill, first_wrong, make_call, tolerance
+from launch import charts
 from launch.dist_setup import int_in, lesson_parser, print0, run
 
 OPS = "all_reduce all_gather reduce_scatter broadcast reduce all_to_all sendrecv".split()
@@ -146,6 +147,8 @@ def save_and_summarise(rows, n_sizes, args, ctx):
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
+    if ctx.rank == 0 and args.chart:
+        write_chart(rows, n_sizes, args, ctx)
     largest = rows[n_sizes - 1 :: n_sizes]  # the last size of each op
     print0(
         "busbw at the largest size: "
@@ -155,6 +158,17 @@ def save_and_summarise(rows, n_sizes, args, ctx):
         f"OK: {len(args.ops)} collectives x {n_sizes} sizes on {ctx.world_size} ranks, every "
         f"result checked; average busbw {sum(r['busbw_GBps'] for r in rows) / len(rows):.3f} GB/s"
     )
+
+
+def write_chart(rows, n_sizes, args, ctx):
+    """busbw against message size, a line per collective; the sizes grow by --factor, so equally
+    spaced categories make a log scale (xychart-beta has none: launch/charts.py)."""
+    sizes = [charts.size_label(r["bytes"]) for r in rows[:n_sizes]]
+    lines = {r["op"]: [q["busbw_GBps"] for q in rows if q["op"] == r["op"]] for r in rows[::n_sizes]}
+    title = f"busbw, {ctx.world_size} ranks, {ctx.backend} on {ctx.device.type}, {args.dtype}"
+    note = f" Sizes grow by a factor of {args.factor}: one category each (a log scale)."
+    chart = charts.xychart(title, "message size", sizes, "busbw (GB/s)", lines, note=note)
+    charts.write(args.chart, chart)
 
 
 UNITS, LARGEST = {"K": 2**10, "M": 2**20, "G": 2**30}, 16 * 2**30
@@ -199,4 +213,5 @@ if __name__ == "__main__":
     parser.add_argument("--ops", type=op_list, default=OPS, help="comma-separated subset of OPS")
     parser.add_argument("--json", help="also write the rows to this JSON file (rank 0)")
     parser.add_argument("--csv", help="also write the rows to this CSV file (rank 0)")
+    parser.add_argument("--chart", type=charts.path, help="busbw vs size as a Mermaid chart (.md)")
     run(main, parser.parse_args())

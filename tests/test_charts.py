@@ -257,3 +257,27 @@ def test_fsdp_overlap_chart(tmp_path):
         blocks = [f"{what} blocks.{i}" for what in ("backward", "forward") for i in range(2)]
         assert sorted(t for t, *_ in computed) == blocks, computed
         assert all(0 <= a <= b for _, a, b in computed), computed
+
+
+def test_merged_loss_charts_hold_each_runs_numbers(tmp_path):
+    """tools/merge_charts.py (the README's three-run chart): each run's lines, unchanged, on one
+    chart per position; the largest difference it prints is the one between the files' values."""
+    import runpy
+
+    merge = runpy.run_path(str(ROOT / "tools" / "merge_charts.py"))["merge"]
+    steps = ["0", "10", "19"]
+    for name, losses in (("none x1", [5.5, 3.25, 2.5]), ("ddp x2", [5.5, 3.251, 2.498])):
+        lines = {f"train loss, {name}": losses}
+        chart = charts.xychart(f"train loss, {name}", "step", steps, "loss (nats)", lines)
+        charts.write(tmp_path / f"{name[:4]}.md", chart)
+    parts, gaps = merge([tmp_path / "none.md", tmp_path / "ddp .md"])
+    (merged,) = [parse(b) for part in parts for b in blocks(part)]
+    assert merged["x"] == steps and [n for _, n, _ in merged["lines"]] == [
+        "train loss, none x1",
+        "train loss, ddp x2",
+    ]
+    assert merged["lines"][1][2] == [5.5, 3.251, 2.498]
+    assert [(gap, digits) for _, gap, digits in gaps] == [(pytest.approx(0.002), 3)]
+    charts.write(tmp_path / "other.md", charts.xychart("t", "step", ["0", "5", "19"], "y", lines))
+    with pytest.raises(SystemExit, match="x categories differ"):
+        merge([tmp_path / "none.md", tmp_path / "other.md"])

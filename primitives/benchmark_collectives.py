@@ -22,7 +22,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from benchmark_calls import fill, first_wrong, make_call, sweep, tolerance
+from benchmark_calls import fill, first_wrong, make_call, row, sweep, tolerance
 from launch import charts
 from launch.dist_setup import int_in, lesson_parser, print0, run
 
@@ -117,9 +117,9 @@ def print_header(args, ctx):
 
 
 def record(op, count, seconds, algbw, busbw, args, ctx):
-    """Print the row and return it, as saved by --json / --csv."""
+    """Print the row (above rank 0's bar) and return it, as saved by --json / --csv."""
     nbytes = count * getattr(torch, args.dtype).itemsize
-    print0(
+    row(
         f"{op:>14} {nbytes:>11} {count:>10} {seconds * 1e6:>10.1f} {algbw:>11.3f} {busbw:>11.3f} "
         f"{'ok':>5}"
     )

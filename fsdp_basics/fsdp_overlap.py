@@ -220,13 +220,10 @@ def check_same_parameters(results, start, x, y, args, ctx):
     single = copy.deepcopy(start)
     train_one_process(single, x, y, args.batch, args.steps, args.lr)
     # full_tensor() all_gathers a DTensor's shards into the whole tensor: every rank calls it
-    diffs = {
-        name: max(
-            (p.full_tensor() - q).abs().max().item()
-            for p, q in zip(model.parameters(), single.parameters())
-        )
-        for name, (model, _) in results.items()
-    }
+    diffs = {}
+    for name, (model, _) in results.items():
+        pairs = zip(model.parameters(), single.parameters())
+        diffs[name] = max((p.full_tensor() - q).abs().max().item() for p, q in pairs)
     for name, d in diffs.items():
         print0(f"{name}: max |parameter - one process| {d:.1e} (bound 1e-4)")
     bad = [name for name, d in diffs.items() if not d <= 1e-4]

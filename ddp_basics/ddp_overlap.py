@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from launch import charts
 from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_order, run
 from toy import MLP, flat, fp32_tolerance, make_data
 
@@ -42,7 +43,7 @@ def main(args, ctx):
     variants = [(None, False), (2 * args.small_mb, False), (args.small_mb, False)]
     variants.append((args.small_mb, True))
     results = {v: train(args, ctx, start, x, y, *v) for v in variants}
-    print_timelines(results, ctx)
+    print_timelines(results, args, ctx)
     check_timelines(results, start, ctx)
     check_same_parameters(results, start, x, y, args, ctx)
 
@@ -132,7 +133,7 @@ def label(cap, as_view):
     return f"bucket_cap_mb={cap}, gradient_as_bucket_view={as_view}"
 
 
-def print_timelines(results, ctx, width=40):
+def print_timelines(results, args, ctx, width=40):
     """One block per variant: every rank's last backward, one row per layer and per bucket, by
     start time."""
     for (cap, as_view), (_, timeline, held, _) in results.items():
@@ -148,6 +149,23 @@ def print_timelines(results, ctx, width=40):
             rows.append(f"  {what:22s} {a:7.2f} .. {b:7.2f} |{bar:{width}s}| {note}")
         print_in_order("\n".join(rows))
     print0("(# backward of a layer, = all_reduce of a bucket; on CPU both share the same cores)")
+    if ctx.rank == 0 and args.chart:
+        write_chart(results, args.chart)
+
+
+def write_chart(results, path):
+    """Rank 0's timelines as gantts: each layer's backward against each bucket's all_reduce."""
+    gantts = []
+    for (cap, as_view), (_, timeline, _, _) in results.items():
+        computed, sent = [], []  # the layers' backward, the buckets' all_reduce
+        for what, (a, b, note) in sorted(timeline.items(), key=lambda item: item[1][:2]):
+            if what.startswith("backward"):
+                computed.append((what, a * 1e3, b * 1e3))  # microseconds
+            else:  # "bucket 0 (net.6, net.8)"
+                sent.append((f"{what.removeprefix('all_reduce ')} ({note})", a * 1e3, b * 1e3))
+        sections = {"backward (autograd)": computed, "all_reduce (comm hook)": sent}
+        gantts.append(charts.gantt(f"rank 0, last step, {label(cap, as_view)}", sections))
+    charts.write(path, *gantts)
 
 
 def check_timelines(results, start, ctx):
@@ -193,12 +211,8 @@ def check_same_parameters(results, start, x, y, args, ctx):
         opt.step()
     tol, ref = fp32_tolerance(1e-5), flat(single)
     diffs = {label(*key): (flat(r[0]) - ref).abs().max().item() for key, r in results.items()}
-    print0(
-        "\n".join(
-            f"{name}: max |parameter - one process| {d:.1e} (bound {tol:.0e})"
-            for name, d in diffs.items()
-        )
-    )
+    for name, d in diffs.items():
+        print0(f"{name}: max |parameter - one process| {d:.1e} (bound {tol:.0e})")
     bad = [name for name, diff in diffs.items() if not diff <= tol]
     if bad:
         raise RuntimeError(
@@ -214,29 +228,15 @@ def check_same_parameters(results, start, x, y, args, ctx):
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
+    parser.add_argument("--width", type=int_in(1, 8192), default=256, help="hidden width")
+    parser.add_argument("--depth", type=int_in(0, 16), default=3, help="hidden layers")
+    small = "the small bucket_cap_mb, in MiB (0.25: about one 256 x 256 layer per bucket)"
     parser.add_argument(
-        "--width",
-        type=int_in(1, 8192),
-        default=256,
-        help="hidden width (a width x width weight: width^2*4 bytes)",
+        "--small-mb", type=float_in(0, 4096, low_open=True), default=0.25, help=small
     )
-    parser.add_argument(
-        "--depth", type=int_in(0, 16), default=3, help="hidden width x width layers"
-    )
-    parser.add_argument(
-        "--small-mb",
-        type=float_in(0, 4096, low_open=True),
-        default=0.25,
-        help="the small bucket_cap_mb, in MiB (0.25: about one 256 x 256 layer per bucket)",
-    )
-    parser.add_argument(
-        "--steps",
-        type=int_in(2, 1000),
-        default=4,
-        help="training steps (the first one builds the buckets, the last one is shown)",
-    )
-    parser.add_argument(
-        "--batch", type=int_in(1, 10**5), default=64, help="examples per rank per step"
-    )
+    steps = "training steps (the first one builds the buckets, the last one is shown)"
+    parser.add_argument("--steps", type=int_in(2, 1000), default=4, help=steps)
+    parser.add_argument("--batch", type=int_in(1, 10**5), default=64, help="examples per rank")
     parser.add_argument("--lr", type=float_in(0, 10, low_open=True), default=0.1)
+    parser.add_argument("--chart", type=charts.path, help="rank 0's timelines as gantts (.md)")
     run(main, parser.parse_args())

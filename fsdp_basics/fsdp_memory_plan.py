@@ -22,7 +22,6 @@ Docs: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
 
 import math
 import multiprocessing
-import time
 from concurrent.futures import ProcessPoolExecutor
 
 import torch
@@ -30,7 +29,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore  # testing API (see above)
+from tqdm import tqdm
 
+from launch import charts
 from launch.dist_setup import int_in, lesson_parser, print0, run
 from toy import Block, BlockMLP, make_data, step_bytes
 
@@ -38,8 +39,8 @@ from toy import Block, BlockMLP, make_data, step_bytes
 def plan(width, depth, ranks_of):
     """{(N, r): [param, grad, Adam bytes] rank r of N will hold}, for (N, r) in ranks_of. Call it in
     a process that has no process group (see main): each (N, r) gets a fake default group."""
-    held, begun = {}, time.monotonic()
-    for i, (n, r) in enumerate(ranks_of):
+    held = {}
+    for n, r in tqdm(ranks_of, "planning", unit="rank", disable=None):  # stderr, on a terminal
         dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=n)  # no peers
         try:
             with torch.device("meta"):
@@ -59,8 +60,6 @@ def plan(width, depth, ranks_of):
             held[n, r] = [stored, stored, sum(2 * s.numel() * s.element_size() + 4 for s in shards)]
         finally:
             dist.destroy_process_group()
-        took = time.monotonic() - begun  # the fake group's set-up grows with N: say where we are
-        print(f"planned rank {r} of {n} ({i + 1} of {len(ranks_of)}, {took:.1f} s)", flush=True)
     return held
 
 
@@ -68,7 +67,7 @@ def main(args, ctx):
     sizes = [2**k for k in range(3, int(math.log2(args.max_ranks)) + 1)]  # 8, 16, ..., max
     if ctx.rank == 0:  # the planner: a fresh process (spawn), where the fake group is the default
         planner = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        big = planner.submit(plan, args.width, args.depth, [(n, 0) for n in sizes])
+        big = planner.submit(plan, args.width, args.depth, [(n, 0) for n in [1, *sizes]])
         ranks = [(ctx.world_size, r) for r in range(ctx.world_size)]
         small = planner.submit(plan, args.real_width, 2, ranks)
     # Meanwhile the real thing, at this world size: the small model sharded for real, one Adam step.
@@ -89,6 +88,7 @@ def main(args, ctx):
     activations = saved_for_backward(Block(args.real_width).to(ctx.device), (16, 32, 64), ctx)
     failures = check_activations(activations, args.real_width)
     print_plan(big, args, sizes)
+    print_strategies(big, args, sizes)
     failures += check_plan_against_formula(big, args.width, args.depth, sizes)
     failures += check_plan_against_real_run(small, held, ctx)
     if failures:
@@ -202,34 +202,41 @@ def print_plan(big, args, sizes):
     )
 
 
+def print_strategies(big, args, sizes):
+    """Params, grads and Adam per rank by strategy, from the plans at 1 rank (nothing sharded) and
+    at N: ZeRO-1 shards Adam's state, ZeRO-2 the grads too, ZeRO-3 (FSDP) the params too (each as
+    FSDP2's padded row shards; ZeRO: arxiv.org/abs/1910.02054); HSDP shards over the first size
+    (a node of 8 GPUs) and replicates across, so it holds what ZeRO-3 holds at that size."""
+    (p, g, a), node = big[1, 0], sizes[0]
+    names = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", f"HSDP({node})"]
+    gib = {
+        n: [p + g + a, p + g + big[n, 0][2], p + sum(big[n, 0][1:]), sum(big[n, 0])] for n in sizes
+    }
+    gib = {n: [round(b / 2**30, 3) for b in [*held, sum(big[node, 0])]] for n, held in gib.items()}
+    print0(
+        f"GiB per rank of params, grads and Adam, by strategy (HSDP: {node} ranks a shard group)"
+    )
+    print0(f"{'N':>6}" + "".join(f"{name:>10}" for name in names))
+    for n in sizes:
+        print0(f"{n:>6}" + "".join(f"{b:>10.3f}" for b in gib[n]))
+    if args.chart:  # rank 0 alone gets here
+        lines = {name: [gib[n][i] for n in sizes] for i, name in enumerate(names)}
+        title = f"params + grads + Adam per rank, {args.depth} blocks of width {args.width}"
+        ranks = [str(n) for n in sizes]  # doubling: equally spaced categories, a log scale
+        chart = charts.xychart(title, "ranks (N), doubling", ranks, "GiB per rank", lines)
+        charts.write(args.chart, chart)
+
+
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
-    parser.add_argument(
-        "--width",
-        type=int_in(1, 1 << 20),
-        default=16384,
-        help="planned model: block width (meta: no memory)",
-    )
-    parser.add_argument(
-        "--depth", type=int_in(1, 1024), default=16, help="planned model: number of blocks"
-    )
-    parser.add_argument(
-        "--tokens",
-        type=int_in(1, 1 << 24),
-        default=4096,
-        help="tokens per rank per step, for the activations",
-    )
+    add = parser.add_argument
+    add("--width", type=int_in(1, 1 << 20), default=16384, help="planned model: block width")
+    add("--depth", type=int_in(1, 1024), default=16, help="planned model: number of blocks")
+    add("--tokens", type=int_in(1, 1 << 24), default=4096, help="tokens per rank (activations)")
     # The fake group's set-up grows with N (measured on CPU: ~1.5 s at 1024, ~34 s at 16384).
-    parser.add_argument(
-        "--max-ranks",
-        type=int_in(8, 8192),
-        default=1024,
-        help="plan for 8, 16, ... up to this many ranks",
+    add("--max-ranks", type=int_in(8, 8192), default=1024, help="plan for 8, 16, ... this many")
+    add(
+        "--real-width", type=int_in(1, 4096), default=62, help="the model really sharded (62: pads)"
     )
-    parser.add_argument(
-        "--real-width",
-        type=int_in(1, 4096),
-        default=62,
-        help="the model really sharded (62: 3 and 4 pad)",
-    )
+    add("--chart", type=charts.path, help="GiB per rank by strategy, a Mermaid chart (.md)")
     run(main, parser.parse_args())

@@ -5,19 +5,18 @@ again in backward; False keeps them (the root's default, None, means False for t
 the others: fully_shard's docstring). set_modules_to_forward_prefetch / _backward_prefetch ask a
 block to issue the all_gathers of the next blocks itself, earlier; without them FSDP prefetches in
 backward only, one block ahead (docstrings in torch/distributed/fsdp/_fully_shard/, torch 2.13).
-torch.profiler records FSDP's labelled regions ("FSDP::all_gather (blocks.0)", ...), so the lesson
-profiles the last step of three settings, prints its all_gathers and reduce_scatters on a time
-line, checks their counts, which hook prefetched which, and that all three train to one process's
-parameters. The regions are when the CPU issues the work; on a GPU the kernels run later on their
-own streams: prof.export_chrome_trace(path) shows both (profiler docs).
+torch.profiler records FSDP's labelled regions ("FSDP::all_gather (blocks.0)", ...): the lesson
+profiles the last step of three settings, prints its collectives on a time line (--chart: a Mermaid
+gantt), checks their counts, which hook prefetched which, and that all three train to one process's
+parameters. The regions are when the CPU issues the work; a GPU runs the kernels later, on their own
+streams (prof.export_chrome_trace shows both: profiler docs).
 
     torchrun --nproc_per_node=2 fsdp_basics/fsdp_overlap.py
     python fsdp_basics/fsdp_overlap.py --nproc 3 --width 512 --depth 6
 
 run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
-Docs: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
-      https://pytorch.org/docs/stable/profiler.html
+Docs: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html, .../profiler.html
 """
 
 import contextlib
@@ -30,6 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.profiler import ProfilerActivity, profile
 
+from launch import charts
 from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_order, run
 from toy import BlockMLP, make_data, rank_batch, train_one_process
 
@@ -46,7 +46,7 @@ def main(args, ctx):
     variants = {"reshard_after_forward=True": (True, 0), "reshard_after_forward=False": (False, 0)}
     variants[f"True, explicit prefetch of {args.prefetch}"] = (True, args.prefetch)
     results = {name: train(args, ctx, start, mesh, x, y, *v) for name, v in variants.items()}
-    print_timelines(results)
+    print_timelines(results, args, ctx)
     worst = check_same_parameters(results, start, x, y, args, ctx)
     check_counts(results, variants, args, ctx)
     print0(
@@ -82,7 +82,7 @@ def train(args, ctx, start, mesh, x, y, reshard, prefetch):
 
 # FSDP's regions that the checks read; pre_forward / pre_backward: the hook that issued a prefetch
 KINDS = ("FSDP::all_gather", "FSDP::post_backward_reduce", "FSDP::forward_prefetch")
-KINDS += ("FSDP::backward_prefetch", "FSDP::pre_forward", "FSDP::pre_backward")
+KINDS += ("FSDP::backward_prefetch", "FSDP::pre_forward", "FSDP::pre_backward", "FSDP::post_")
 HOOKS = ("FSDP::pre_forward", "FSDP::pre_backward")
 
 
@@ -125,27 +125,42 @@ def module(name, label):
     return name[len(label) :].strip(" ()") or "root"
 
 
-def print_timelines(results, width=40):
+def print_timelines(results, args, ctx, width=40):
     for name, (_, rows) in results.items():
         found = collectives(rows)
         gathers = sum(w.startswith("all_gather") for w, *_ in found)
-        reduces = len(found) - gathers
-        print0(
-            f"\n{name}: {gathers} all_gathers, {reduces} reduce_scatters; ms from the step's start"
-        )
+        counts = f"{gathers} all_gathers, {len(found) - gathers} reduce_scatters"
+        print0(f"\n{name}: {counts}; ms from the step's start")
         end = max((b for _, _, b, _ in found), default=0) or 1.0
         lines = []
         for what, a, b, by in found:
-            lo = round(a / end * width)
-            bar = " " * lo + ("=" if what.startswith("all") else "~") * max(
-                1, round(b / end * width) - lo
-            )
+            lo, hi = round(a / end * width), round(b / end * width)
+            bar = " " * lo + ("=" if what.startswith("all") else "~") * max(1, hi - lo)
             by = f"prefetched by {by[1]} ({by[0]})" if by else ""
             lines.append(f"  {what:26s} {a:7.2f} .. {b:7.2f} |{bar:{width}s}| {by}")
         print_in_order("\n".join(lines))
     print0(
         "(= all_gather, ~ reduce_scatter: when the CPU issues them, inside FSDP's profiler regions)"
     )
+    if ctx.rank == 0 and args.chart:
+        write_chart(results, args.chart)
+
+
+def write_chart(results, path):
+    """Rank 0's last step per variant as a gantt (us): each block's compute, FSDP's collectives."""
+    gantts = []
+    for name, (_, rows) in results.items():
+        computed = []
+        for n, _, b in rows:  # a block computes from the end of its pre-hook to its first post-hook
+            what, _, block = n.removeprefix("FSDP::pre_").partition(" ")  # block: "(blocks.1)"
+            if n.startswith("FSDP::pre_") and block:
+                post = f"FSDP::post_{what}"
+                ends = [a for m, a, _ in rows if m.startswith(post) and m.endswith(block)]
+                computed.append((f"{what} {block[1:-1]}", b * 1e3, min(ends, default=b) * 1e3))
+        issued = [(what, a * 1e3, b * 1e3) for what, a, b, _ in collectives(rows)]
+        sections = {"compute": computed, "collectives": issued}
+        gantts.append(charts.gantt(f"rank 0, last step, {name}", sections))
+    charts.write(path, *gantts)
 
 
 def expected_prefetches(depth, reshard, prefetch, one):
@@ -205,19 +220,12 @@ def check_same_parameters(results, start, x, y, args, ctx):
     single = copy.deepcopy(start)
     train_one_process(single, x, y, args.batch, args.steps, args.lr)
     # full_tensor() all_gathers a DTensor's shards into the whole tensor: every rank calls it
-    diffs = {
-        name: max(
-            (p.full_tensor() - q).abs().max().item()
-            for p, q in zip(model.parameters(), single.parameters())
-        )
-        for name, (model, _) in results.items()
-    }
-    print0(
-        "\n".join(
-            f"{name}: max |parameter - one process| {d:.1e} (bound 1e-4)"
-            for name, d in diffs.items()
-        )
-    )
+    diffs = {}
+    for name, (model, _) in results.items():
+        pairs = zip(model.parameters(), single.parameters())
+        diffs[name] = max((p.full_tensor() - q).abs().max().item() for p, q in pairs)
+    for name, d in diffs.items():
+        print0(f"{name}: max |parameter - one process| {d:.1e} (bound 1e-4)")
     bad = [name for name, d in diffs.items() if not d <= 1e-4]
     if bad:
         raise RuntimeError(
@@ -230,10 +238,9 @@ if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument("--width", type=int_in(1, 4096), default=128)
     parser.add_argument("--depth", type=int_in(1, 64), default=3)
-    parser.add_argument(
-        "--batch", type=int_in(1, 65536), default=48, help="global batch, divisible by N"
-    )
+    parser.add_argument("--batch", type=int_in(1, 65536), default=48, help="global, divisible by N")
     parser.add_argument("--steps", type=int_in(1, 1000), default=3)
     parser.add_argument("--lr", type=float_in(0, 10, low_open=True), default=1e-2)
     parser.add_argument("--prefetch", type=int_in(1, 64), default=2, help="blocks prefetched ahead")
+    parser.add_argument("--chart", type=charts.path, help="rank 0's timelines as gantts (.md)")
     run(main, parser.parse_args())

@@ -5,8 +5,11 @@ integer known in closed form; fill and first_wrong work chunk by chunk, on the d
 temporary is as large as the message (up to 8G on a GPU).
 """
 
+import sys
+
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 CHUNK = 1 << 22  # elements per step of fill and check: their temporaries stay near 0.3 GB
 
@@ -96,3 +99,16 @@ def tolerance(dtype, n):
     relative error."""
     eps = torch.finfo(dtype).eps
     return 0.0 if 6 * n + n * (n + 1) // 2 <= 2 / eps else n * eps
+
+
+def sweep(ops, sizes, rank):
+    """Every (op, size), op by op; on rank 0 a tqdm bar on stderr when it is a terminal (None)."""
+    return tqdm([(op, size) for op in ops for size in sizes], "sizes", disable=rank != 0 or None)
+
+
+def row(text):
+    """Rank 0 prints a line of the table through tqdm.write: on a terminal it clears the bar, prints
+    the line and draws the bar again below it, so the two never share a line."""
+    if dist.get_rank() == 0:
+        tqdm.write(text)
+        sys.stdout.flush()

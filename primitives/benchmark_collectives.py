@@ -9,7 +9,7 @@ peak. Memory per rank: twice the message plus ~0.3 GB for the check (8G fits an 
 
     torchrun --nproc_per_node=4 primitives/benchmark_collectives.py
     torchrun --nproc_per_node=8 primitives/benchmark_collectives.py --min-bytes 8 --max-bytes 8G \\
-        --factor 2 --iters 20 --dtype bfloat16 --json busbw.json --csv busbw.csv
+        --factor 2 --iters 20 --dtype bfloat16 --json busbw.json --chart busbw.md
 
 run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 Docs: https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md
@@ -22,7 +22,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from benchmark_calls import fill, first_wrong, make_call, tolerance
+from benchmark_calls import fill, first_wrong, make_call, row, sweep, tolerance
+from launch import charts
 from launch.dist_setup import int_in, lesson_parser, print0, run
 
 OPS = "all_reduce all_gather reduce_scatter broadcast reduce all_to_all sendrecv".split()
@@ -65,16 +66,15 @@ def main(args, ctx):
         sizes.append(sizes[-1] * args.factor)
     print_header(args, ctx)
     rows = []
-    for op in args.ops:
-        for size in sizes:
-            count = max(n, size // dtype.itemsize // n * n)  # whole elements, divisible by n
-            result, inp, call, expected = make_call(op, count, dtype, ctx.device, ctx.rank, n)
-            fill(inp, ctx.rank)
-            seconds = seconds_per_call(call, args, ctx)
-            check_one_more_call(op, count, result, inp, call, expected, tolerance(dtype, n), ctx)
-            del result, inp, call, expected  # free this size's buffers before the next, larger one
-            algbw = count * dtype.itemsize / seconds / 1e9
-            rows.append(record(op, count, seconds, algbw, algbw * bus_factor(op, n), args, ctx))
+    for op, size in sweep(args.ops, sizes, ctx.rank):  # rank 0: a tqdm bar on a terminal's stderr
+        count = max(n, size // dtype.itemsize // n * n)  # whole elements, divisible by n
+        result, inp, call, expected = make_call(op, count, dtype, ctx.device, ctx.rank, n)
+        fill(inp, ctx.rank)
+        seconds = seconds_per_call(call, args, ctx)
+        check_one_more_call(op, count, result, inp, call, expected, tolerance(dtype, n), ctx)
+        del result, inp, call, expected  # free this size's buffers before the next, larger one
+        algbw = count * dtype.itemsize / seconds / 1e9
+        rows.append(record(op, count, seconds, algbw, algbw * bus_factor(op, n), args, ctx))
     save_and_summarise(rows, len(sizes), args, ctx)
 
 
@@ -117,9 +117,9 @@ def print_header(args, ctx):
 
 
 def record(op, count, seconds, algbw, busbw, args, ctx):
-    """Print the row and return it, as saved by --json / --csv."""
+    """Print the row (above rank 0's bar) and return it, as saved by --json / --csv."""
     nbytes = count * getattr(torch, args.dtype).itemsize
-    print0(
+    row(
         f"{op:>14} {nbytes:>11} {count:>10} {seconds * 1e6:>10.1f} {algbw:>11.3f} {busbw:>11.3f} "
         f"{'ok':>5}"
     )
@@ -146,6 +146,8 @@ def save_and_summarise(rows, n_sizes, args, ctx):
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
+    if ctx.rank == 0 and args.chart:
+        write_chart(rows, n_sizes, args, ctx)
     largest = rows[n_sizes - 1 :: n_sizes]  # the last size of each op
     print0(
         "busbw at the largest size: "
@@ -155,6 +157,19 @@ def save_and_summarise(rows, n_sizes, args, ctx):
         f"OK: {len(args.ops)} collectives x {n_sizes} sizes on {ctx.world_size} ranks, every "
         f"result checked; average busbw {sum(r['busbw_GBps'] for r in rows) / len(rows):.3f} GB/s"
     )
+
+
+def write_chart(rows, n_sizes, args, ctx):
+    """busbw against message size, a line per collective; the sizes grow by --factor, so equally
+    spaced categories make a log scale (xychart-beta has none: launch/charts.py)."""
+    sizes = [charts.size_label(r["bytes"]) for r in rows[:n_sizes]]
+    lines = {
+        r["op"]: [q["busbw_GBps"] for q in rows if q["op"] == r["op"]] for r in rows[::n_sizes]
+    }
+    title = f"busbw, {ctx.world_size} ranks, {ctx.backend} on {ctx.device.type}, {args.dtype}"
+    note = f" Sizes grow by a factor of {args.factor}: one category each (a log scale)."
+    chart = charts.xychart(title, "message size", sizes, "busbw (GB/s)", lines, note=note)
+    charts.write(args.chart, chart)
 
 
 UNITS, LARGEST = {"K": 2**10, "M": 2**20, "G": 2**30}, 16 * 2**30
@@ -199,4 +214,5 @@ if __name__ == "__main__":
     parser.add_argument("--ops", type=op_list, default=OPS, help="comma-separated subset of OPS")
     parser.add_argument("--json", help="also write the rows to this JSON file (rank 0)")
     parser.add_argument("--csv", help="also write the rows to this CSV file (rank 0)")
+    parser.add_argument("--chart", type=charts.path, help="busbw vs size as a Mermaid chart (.md)")
     run(main, parser.parse_args())

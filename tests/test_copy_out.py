@@ -1,7 +1,8 @@
 """Copying a lesson out is copying files, and nothing is edited (launch/README.md, "Copying a
 lesson into your project"): the lesson, the modules of its folder that it imports (found by
-following every import statement, in functions too) and launch/dist_setup.py, into an empty
-directory outside the repository.
+following every import statement, in functions too) and launch/dist_setup.py (with
+launch/charts.py where the lesson or one of its modules imports it), into an empty directory
+outside the repository.
 
 The copies run in an interpreter that cannot see this repository: a venv without pip whose only
 path to other packages is a .pth line per directory that holds torch, numpy or tqdm (a path line
@@ -59,13 +60,29 @@ def closure(lesson):
     return found
 
 
+def launch_modules(paths):
+    """The modules of launch/ that these files import: dist_setup.py, and charts.py if used."""
+    names = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "launch":
+                names |= {f"launch.{alias.name}" for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module)
+            elif isinstance(node, ast.Import):
+                names |= {alias.name for alias in node.names}
+    return ["dist_setup.py"] + ["charts.py"] * ("launch.charts" in names)
+
+
 def copy_out(lesson, into):
-    """The reader's copy: the closure beside each other, dist_setup.py in launch/."""
+    """The reader's copy: the closure beside each other, dist_setup.py (and charts.py, for a lesson
+    that draws) in launch/."""
     into.mkdir(parents=True)
     for path in closure(lesson):
         shutil.copy(path, into / path.name)
     (into / "launch").mkdir()
-    shutil.copy(ROOT / "launch" / "dist_setup.py", into / "launch" / "dist_setup.py")
+    for name in launch_modules(closure(lesson)):
+        shutil.copy(ROOT / "launch" / name, into / "launch" / name)
     needs = REQUIRED_FLAGS.get(lesson, [])
     (into / "lesson.txt").write_text(" ".join([os.path.basename(lesson), *needs]))
     return into / os.path.basename(lesson)
@@ -120,13 +137,15 @@ def test_a_helper_that_imports_the_repository_is_caught(python, tmp_path):
     assert any(p.startswith("--help: exit") for p in problems), problems
 
 
-def test_the_set_up_file_imports_only_the_standard_library_and_torch():
-    tree = ast.parse((ROOT / "launch" / "dist_setup.py").read_text())
+@pytest.mark.parametrize("module,allowed", [("dist_setup.py", {"torch"}), ("charts.py", set())])
+def test_the_set_up_file_imports_only_the_standard_library_and_torch(module, allowed):
+    """dist_setup.py: the standard library and torch; charts.py: the standard library alone."""
+    tree = ast.parse((ROOT / "launch" / module).read_text())
     top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     names = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module for n in top if isinstance(n, ast.ImportFrom)}
-    outside = {n for n in names if n.split(".")[0] not in sys.stdlib_module_names | {"torch"}}
-    assert not outside, f"launch/dist_setup.py imports {sorted(outside)} when it is imported"
+    outside = {n for n in names if n.split(".")[0] not in sys.stdlib_module_names | allowed}
+    assert not outside, f"launch/{module} imports {sorted(outside)} when it is imported"
 
 
 def torchrun(python, copy, *args):
@@ -153,8 +172,9 @@ def test_train_copied_out_saves_asynchronously_and_resumes(python, tmp_path):
 
 @pytest.mark.quick
 def test_every_module_imports_the_set_up_once_at_its_top():
-    """Lessons and their helper modules import launch.dist_setup and nothing else of launch, at
-    module level (an import inside a function is found only when that function runs)."""
+    """Lessons and their helper modules import launch.dist_setup (and launch.charts, which the copy
+    brings along) and nothing else of launch, at module level (an import inside a function is
+    found only when that function runs)."""
     from lesson_cli import FOLDERS
 
     problems = []
@@ -165,14 +185,18 @@ def test_every_module_imports_the_set_up_once_at_its_top():
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module == "launch" and not node.level:
+                names = [
+                    f"launch.{alias.name}" for alias in node.names
+                ]  # from launch import charts
             elif isinstance(node, ast.ImportFrom) and not node.level:
                 names = [node.module or ""]
             else:
                 continue
             where = f"{path.relative_to(ROOT)}:{node.lineno}"
             for name in [n for n in names if n.split(".")[0] == "launch"]:
-                if name != "launch.dist_setup":
+                if name not in ("launch.dist_setup", "launch.charts"):
                     problems.append(f"{where}: imports {name}, which a copy does not have")
                 elif node not in tree.body:
-                    problems.append(f"{where}: imports launch.dist_setup inside a block")
+                    problems.append(f"{where}: imports {name} inside a block")
     assert not problems, "\n".join(problems)

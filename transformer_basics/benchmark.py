@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
+from tqdm import tqdm
 
 import data
 from launch.dist_setup import float_in, int_in, lesson_parser, print0, run
@@ -115,7 +116,7 @@ def main(args, ctx):
         runs[mode] = dict(model=model, opt=opt, batches=batches, times=[], loss=None)
         runs[mode].update(peak=memory.peak(), sent=collectives(prof))
     # Then time them in turns, step by step: load from other jobs hits every mode alike.
-    for step in range(args.warmup, args.steps):
+    for step in tqdm(range(args.warmup, args.steps), "timed steps", disable=ctx.rank != 0 or None):
         for r in runs.values():
             x, y = r["batches"][step]
             synchronize(ctx.device)

@@ -124,7 +124,7 @@ def main(args, ctx):
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < stop:
             save(step + 1)
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < stop:
-            progress.write(f"step {step + 1}: val loss {evaluate():.3f}")
+            progress.val(step + 1, evaluate())  # printed, kept for --chart
     val_last = evaluate()
     save(stop, last=True)
     export_full_model(model, cfg, out / "model.pt")  # a collective: every rank

@@ -1,8 +1,9 @@
 """What train.py and train_2d.py share around their training loop, whatever the parallelism.
 
 The optimizer (AdamW, weight decay on matrices only, a warm-up + cosine learning rate), the
-held-out loss averaged over all ranks, rank 0's tqdm bar with the time per step, the summary
-(tokens/s, MFU), the sample, and the flags. The loop itself is in each training script.
+held-out loss averaged over all ranks, rank 0's tqdm bar with the time per step (on stderr, when it
+is a terminal), the summary (tokens/s, MFU), the losses as charts (--chart), the sample, and the
+flags. The loop itself is in each training script.
 
 Docs: https://pytorch.org/docs/stable/notes/ddp.html, .../distributed.fsdp.fully_shard.html
 """
@@ -18,6 +19,7 @@ from tqdm import tqdm
 
 import data
 from generate import load_model, sample
+from launch import charts
 from launch.dist_setup import float_in, int_in, print0
 from model import add_model_args
 
@@ -33,11 +35,11 @@ class Progress:
 
     def __init__(self, steps, tokens_per_step, args, ctx):
         self.steps, self.tokens_per_step, self.train_losses = steps, tokens_per_step, []
-        self.ctx = ctx
+        self.ctx, self.chart, self.val_losses = ctx, args.chart, []
         self.bf16 = use_bf16(args, ctx)
         self.bar = tqdm(
             steps,
-            disable=ctx.rank != 0,
+            disable=ctx.rank != 0 or (False if args.bar_stdout else None),  # None: on a terminal
             desc="train",
             unit="step",
             dynamic_ncols=True,
@@ -65,6 +67,11 @@ class Progress:
         tok_s = f"{done / (time.perf_counter() - self.t0):,.0f}"
         self.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.1e}", tok_s=tok_s)
 
+    def val(self, step, loss):
+        """The held-out loss after `step` steps: printed, and kept for the chart."""
+        self.val_losses.append((step, loss))
+        self.write(f"step {step}: val loss {loss:.3f}")
+
     def write(self, line):
         if self.ctx.rank == 0:  # tqdm.write prints on every rank, even with the bar disabled
             self.bar.write(line)
@@ -87,6 +94,19 @@ class Progress:
             f"{final:.3f}, val loss {val[0]:.3f} -> {val[1]:.3f}, "
             f"bf16 {'on' if self.bf16 else 'off'}"
         )
+        if self.ctx.rank == 0 and self.chart:
+            self.write_chart(label, val)
+
+    def write_chart(self, label, val):
+        """--chart: the train loss logged and the held-out loss, each against the step (after that
+        many optimizer steps), as printed (3 decimals)."""
+        vals = [(self.steps.start, val[0]), *self.val_losses, (self.steps.stop, val[1])]
+        parts = []
+        for name, points in (("train loss", self.train_losses), ("val loss", vals)):
+            steps, losses = [str(step) for step, _ in points], [loss for _, loss in points]
+            lines = {f"{name}, {label}": losses}
+            parts.append(charts.xychart(f"{name}, {label}", "step", steps, "loss (nats)", lines))
+        charts.write(self.chart, *parts)
 
 
 def use_bf16(args, ctx):
@@ -181,6 +201,7 @@ def parse_args(parser, argv, out, **model_defaults):
     )
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--bar-stdout", action="store_true", help="tqdm bar on stdout, not stderr")
+    parser.add_argument("--chart", type=charts.path, help="the losses as Mermaid charts (.md)")
     parser.add_argument(
         "--gpt2-small",
         action="store_true",

@@ -216,6 +216,10 @@ LESSONS = {
     "transformer_basics/generate.py": dict(
         min_ranks=1, gloo_cuda=None, nccl="one process, no group (NODE_OTHER: after train.py)"
     ),
+    # 7 trainings of 16 steps of a 35k-parameter GPT, then 2 DiLoCo replays on every rank (reasoned)
+    "transformer_basics/train_local_sgd.py": dict(
+        min_ranks=1, gloo_cuda=True, args=["--steps", "16", "--sync-every", "1,8"], extra=1
+    ),
 }
 # Gloo with CUDA tensors in the node check: each teaches something (the rest: --gpu-full).
 NODE_GLOO = [
@@ -224,8 +228,9 @@ NODE_GLOO = [
     "primitives/reduce_scatter.py",  # the list form, staged through the host
     "primitives/all_to_all.py",  # the list form
     "fsdp_basics/fsdp_minimal.py",  # FSDP2 on Gloo
-    "primitives/dtensor_basics.py",  # DTensor on Gloo with CUDA tensors: the RNG tracker's path
-    # ddp_minimal.py's Gloo run moved to --gpu-full: local_sgd.py's NCCL runs took its 15 min share
+    # ddp_minimal.py's Gloo run moved to --gpu-full: local_sgd.py's NCCL runs took its 15 min share;
+    # dtensor_basics.py's Gloo run too, and its python run left NODE_PYTHON (it is in no tier now):
+    # train_local_sgd.py's two NCCL runs took their 9.5 s
 ]
 # `python lesson.py --nproc N` (mp's forkserver path with CUDA) in the node check.
 NODE_PYTHON = [
@@ -233,7 +238,6 @@ NODE_PYTHON = [
     "ddp_basics/ddp_minimal.py",
     "fsdp_basics/fsdp_minimal.py",
     "launch/elastic.py",
-    "primitives/dtensor_basics.py",  # DTensor's RNG tracker on the spawn path
 ]
 
 

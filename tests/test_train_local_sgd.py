@@ -1,6 +1,6 @@
 """transformer_basics/train_local_sgd.py (issue 42): sync, local SGD (by hand and through DDP's
 post_localSGD_hook) and DiLoCo on the folder's GPT. The OK line with the defaults at 2 ranks
-(`python lesson.py`, as the README runs it) and a short run at 3 (warm launcher), the bytes per step
+(`python lesson.py --nproc 2`) and a short run at 3 (warm launcher), the bytes per step
 read back from the table; the mistakes a reader could make, each caught by the lesson's own check
 (a source mutation of a copy, tests/harness.mutant); an H that does not divide --steps, refused in
 one line on every rank."""
@@ -34,7 +34,12 @@ def bytes_per_step(out):
 
 @pytest.mark.parametrize(
     "nproc,launcher,args,runs",
-    [(2, "python", (), 10), (3, "warm", ("--steps", "16", "--sync-every", "1,8"), 7)],
+    [
+        (2, "python", (), 10),
+        pytest.param(
+            3, "warm", ("--steps", "16", "--sync-every", "1,8"), 7, marks=pytest.mark.quick
+        ),
+    ],
 )
 def test_ok_and_bytes_per_step(nproc, launcher, args, runs):
     result = run_lesson(LESSON, *args, nproc=nproc, launcher=launcher, timeout=T)
@@ -51,7 +56,7 @@ def test_ok_and_bytes_per_step(nproc, launcher, args, runs):
 MISTAKES = {
     # DiLoCo as local SGD: the weights averaged and copied to the global ones, no outer step. The
     # bytes are the same (the mean pseudo-gradient is the global weights minus the mean weights):
-    # only the replay of the outer step tells them apart
+    # the replay of the outer step tells them apart (and the outer steps counted, 0)
     "diloco-weights-synced-not-pseudo-gradient": (
         (
             "                g.grad = g.detach() - p.detach()  # pseudo-gradient: where this "

@@ -123,16 +123,15 @@ def gap(model, reference):
 def replay_diloco(h, windows, args, ctx):
     """Independent of train(): this rank's replica again, its AdamW steps, and every H steps the
     outer step written out on flat vectors: the pseudo-gradients averaged with one all_reduce per
-    parameter, as the lesson does (same sizes: Gloo and NCCL add the ranks in the same order; in
-    another order, 3 replicas drift 1e-1 apart in 96 steps at H=1, measured: the key biases'
-    gradient is 0 but for rounding, and AdamW scales that to +-lr), then Nesterov as torch.optim.SGD
-    has it (buf = delta at first, then mu * buf + delta; step lr * (delta + mu * buf))."""
+    parameter, as the lesson does (same sizes, so Gloo adds the ranks in the same order: 0.0 apart
+    at 3 and 4 ranks; NCCL too, by our reading; in another order 3 replicas drift 1e-1 apart in 96
+    steps at H=1, measured: the key biases' gradient is 0 but for rounding, which AdamW scales to
+    +-lr), then Nesterov as torch.optim.SGD has it (buf = delta, then mu * buf + delta; step
+    lr * (delta + mu * buf))."""
     torch.manual_seed(args.seed)
     model = GPT(config_from_args(args)).to(ctx.device)
-    opt, sizes = (
-        AdamW(model.parameters(), lr=args.inner_lr),
-        [p.numel() for p in model.parameters()],
-    )
+    opt = AdamW(model.parameters(), lr=args.inner_lr)
+    sizes = [p.numel() for p in model.parameters()]
     outer, buf, mu = flat(model), None, args.outer_momentum
     for step in range(args.steps):
         x, y = (t.to(ctx.device) for t in windows.batch(step, 0, args.batch_size))

@@ -223,26 +223,30 @@ LESSONS = {
     "transformer_basics/generate.py": dict(
         min_ranks=1, gloo_cuda=None, nccl="one process, no group (NODE_OTHER: after train.py)"
     ),
+    # 7 trainings of 16 steps of a 35k-parameter GPT, then 2 DiLoCo replays on every rank (reasoned)
+    "transformer_basics/train_local_sgd.py": dict(
+        min_ranks=1, gloo_cuda=True, args=["--steps", "16", "--sync-every", "1,8"], extra=1
+    ),
 }
 # Gloo with CUDA tensors in the node check: each teaches something (the rest: --gpu-full).
 NODE_GLOO = [
     "primitives/reduce_scatter.py",  # the list form, staged through the host
     "primitives/all_to_all.py",  # the list form
     "fsdp_basics/fsdp_minimal.py",  # FSDP2 on Gloo
-    "primitives/dtensor_basics.py",  # DTensor on Gloo with CUDA tensors: the RNG tracker's path
     # ddp_minimal.py's Gloo run moved to --gpu-full: local_sgd.py's NCCL runs took its 15 min share
     # all_reduce.py's and point_to_point.py's (its refusal of CUDA tensors on Gloo is decided
-    # before any GPU work) moved there too: fault_tolerant_ddp.py's run took their share
+    # before any GPU work) moved there too: fault_tolerant_ddp.py's run took their share;
+    # dtensor_basics.py's Gloo run too: train_local_sgd.py's two NCCL runs took its 9.5 s
 ]
 # `python lesson.py --nproc N` (mp's forkserver path with CUDA) in the node check.
 NODE_PYTHON = [
     "primitives/all_reduce.py",
     "ddp_basics/ddp_minimal.py",
-    "fsdp_basics/fsdp_minimal.py",
     "launch/elastic.py",
-    # dtensor_basics.py's run (DTensor's RNG tracker on the spawn path) moved to --gpu-full:
-    # debug_server.py's hang took its share (issue 43)
 ]
+# ... and in --gpu-full only: the node check's 15 min gave their share to debug_server.py's hang
+# (dtensor_basics.py: DTensor's RNG tracker on the spawn path) and train_local_sgd.py (fsdp_minimal)
+FULL_PYTHON = ["primitives/dtensor_basics.py", "fsdp_basics/fsdp_minimal.py"]
 
 
 @dataclass
@@ -379,6 +383,9 @@ def full_matrix(gpus):
     cases += [
         gloo_case(lesson) for lesson, spec in LESSONS.items() if spec["gloo_cuda"] is not None
     ]
+    for lesson in NODE_PYTHON + FULL_PYTHON:
+        n = _sizes(LESSONS[lesson], min(top, 2))[-1]
+        cases.append(_run(lesson, LESSONS[lesson], n, "python", "python", "--backend", "nccl"))
     return cases + other_cases(gpus)
 
 

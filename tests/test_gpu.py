@@ -174,8 +174,9 @@ LESSONS = {
     "ddp_basics/distributed_eval.py": ANY,
     "ddp_basics/ddp_overlap.py": ANY,  # any N: each rank trains on its own slice of generated data
     # 7 trainings of 16 steps, then rank 0 simulates N replicas 4 times (reasoned)
+    # gloo_cuda: it refuses nothing on Gloo with CUDA tensors, and only all_reduces (reasoned)
     "ddp_basics/local_sgd.py": dict(
-        min_ranks=1, gloo_cuda=False, args=["--steps", "16", "--sync-every", "1,8"], extra=1
+        min_ranks=1, gloo_cuda=True, args=["--steps", "16", "--sync-every", "1,8"], extra=1
     ),
     # N must divide --batch (48) since it reduce_scatters the batch
     "fsdp_basics/zero_by_hand.py": BATCH48,

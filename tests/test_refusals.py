@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-import warm_launcher  # imported once: lesson_cli forgets the repository's modules, this one too
+import warm_launcher
 from harness import ROOT, lesson_env, mutant
 from lesson_cli import lesson_parser, lessons
 

@@ -5,8 +5,9 @@
 Each rank (forked by tests/warm_launcher.py, torch already imported) runs LESSON as __main__ with
 ARGS, exactly as under torchrun, and is stopped with `PROBE: rank R reached WHAT` and code 0 (the
 lesson has accepted its world size and flags) at the first of:
-- main passing the last line of its last call named *require* (ctx.require, require_*: what the
-  lesson refuses up front, it has refused by then; found in main's source);
+- main passing the last line of its last call named *require* (ctx.require, require_*) or of a
+  function of the lesson's folder that calls one (check_args): what the lesson refuses up front,
+  it has refused by then (found in the source);
 - the first call that would communicate with another rank (every collective and point-to-point
   call of torch.distributed, DDP's first broadcast, FSDP's all-gathers, functional collectives,
   init_rpc): a refusal cannot come after the ranks have started to talk and still be up front;
@@ -19,6 +20,9 @@ of the run has printed, so a refused run ends at once. The lesson's temporary fi
 Each rank's memory is capped (cap_resources). The lessons hold no hook for this.
 """
 
+import ast
+import glob
+import inspect
 import os
 import resource
 import runpy
@@ -65,19 +69,36 @@ def stop_at_first_communication():
         rpc.init_rpc = _reached("init_rpc")
 
 
+def _name(call):
+    return getattr(call.func, "attr", None) or getattr(call.func, "id", "")
+
+
+def _refusers(folder):
+    """Names of the functions of the lesson's folder that call something named *require*
+    (training.check_args, composition's check_args, ...)."""
+    names = set()
+    for path in glob.glob(os.path.join(folder, "*.py")):
+        with open(path) as file:
+            tree = ast.parse(file.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and any(
+                isinstance(call, ast.Call) and "require" in _name(call) for call in ast.walk(node)
+            ):
+                names.add(node.name)
+    return names
+
+
 def last_refusal_line(main):
     """The last line of main's last call whose name holds "require" (ctx.require,
-    require_checkpoint_fits, ...): past it, main has refused everything it refuses up front."""
-    import ast
-    import inspect
-
+    require_checkpoint_fits, ...) or names a function of the lesson's folder that calls one: past
+    it, main has refused everything it refuses up front."""
     lines, first = inspect.getsourcelines(main)
+    refusers = _refusers(os.path.dirname(inspect.getsourcefile(main)))
     tree = ast.parse(textwrap.dedent("".join(lines)))
     ends = [
         node.end_lineno
         for node in ast.walk(tree)
-        if isinstance(node, ast.Call)
-        and "require" in (getattr(node.func, "attr", None) or getattr(node.func, "id", ""))
+        if isinstance(node, ast.Call) and ("require" in _name(node) or _name(node) in refusers)
     ]
     return first - 1 + max(ends, default=1)
 
@@ -105,8 +126,9 @@ def stop_after_the_refusals(setup):
             sys.settrace(calls)
             try:
                 return main(*main_args)
-            finally:
+            finally:  # a refusal (UsageError) ends main: what follows is not main's CPU
                 sys.settrace(None)
+                signal.setitimer(signal.ITIMER_PROF, 0)
 
         return original(traced, *args, **kwargs)
 

@@ -13,7 +13,7 @@ without editing this file, or fails here until it is):
   given; each alone, at the lesson's smallest legal size. Left out: the set-up flags (--nproc,
   --timeout, --backend, --device) and flags that take a path or a free string.
 - a start is cheap: tests/start_probe.py runs the lesson in ranks forked by the warm launcher and
-  stops it, as accepted, once main has passed its last `*require*` call, at its first call that
+  stops it, as accepted, once main has passed its last call that refuses, at its first call that
   communicates with another rank, or after CPU_S seconds of CPU in main; a lesson that refuses
   does so before (launch/dist_setup.py's ctx.require). Each start runs in an empty folder with an
   empty TMPDIR, which a refused start must leave empty; the output paths the lessons name by
@@ -22,7 +22,9 @@ without editing this file, or fails here until it is):
 What this does not show: that an accepted start runs correctly to its end (the lessons' own tests
 run each lesson at its world sizes, 1 among them where it is legal; the top of a range is sized for
 GPUs: 10**6 steps, widths of 16384); a refusal after the first communication, or after CPU_S
-seconds, is seen as an accepted start.
+seconds, is seen as an accepted start. A lesson whose main calls nothing named *require*, nor a
+function of its folder that does (the collectives of primitives/, ddp_minimal.py, ...), is
+stopped as main begins: it refuses nothing up front, so every start of it is accepted here.
 """
 
 import atexit
@@ -48,7 +50,7 @@ TIMEOUT = 90
 # accepted. Each rank may allocate GIB GiB more than the warm launcher's fork of torch: past that, a
 # start at the top of a range counts as too big to start on this machine (TOO_BIG_STARTS), anywhere
 # else it fails.
-GIB, CPU_S = 2, 0.5
+GIB, CPU_S = 2, 0.25
 TOO_BIG = re.compile(r"can't allocate memory|MemoryError|std::bad_alloc|Cannot allocate memory")
 TOO_BIG_HERE = "too big to start here"
 TOO_BIG_STARTS = []

@@ -39,8 +39,8 @@ def local_rank_of(args, ctx):
             "start with torchrun or python -m torch.distributed.launch",
         )
         return int(from_env), "environment LOCAL_RANK"
-    if from_env is not None and int(from_env) != args.local_rank:
-        raise RuntimeError(f"--local-rank {args.local_rank} disagrees with LOCAL_RANK={from_env}")
+    agree = from_env is None or int(from_env) == args.local_rank
+    ctx.require(agree, f"--local-rank {args.local_rank} disagrees with LOCAL_RANK={from_env}")
     return args.local_rank, "argument --local-rank"
 
 

@@ -36,6 +36,7 @@ FAULTS = ["skip", "order", "size"]
 
 
 def main(args, ctx):
+    ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: one of them breaks the pattern")
     culprit = ctx.world_size - 1 if args.culprit is None else args.culprit
     ctx.require(culprit < ctx.world_size, f"--culprit must be a rank below {ctx.world_size}")
     jobs = {}

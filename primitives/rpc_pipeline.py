@@ -54,10 +54,10 @@ class Stage(nn.Module):
 
 
 def main(args, ctx):
+    ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: rank 0 drives, the others compute")
     options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=args.timeout)  # env:// rendezvous
-    rpc.init_rpc(
-        f"worker{ctx.rank}", rank=ctx.rank, world_size=ctx.world_size, rpc_backend_options=options
-    )
+    rpc.init_rpc(f"worker{ctx.rank}", rank=ctx.rank, world_size=ctx.world_size,
+                 rpc_backend_options=options)  # fmt: skip
     if ctx.rank == 0:
         x, y = batch(args)
         stage1 = rpc.remote("worker1", Stage, args=(args.dim, args.hidden, 1))

@@ -26,11 +26,13 @@ class _Stop(Exception):
 
 
 def forget_repository_modules():
-    """Drop this repository's modules (a lesson's siblings) so the next lesson imports its own: two
-    folders have a toy.py. launch/ stays: it is the same for every lesson."""
+    """Drop the lesson folders' modules (a lesson's siblings) so the next lesson imports its own:
+    two folders have a toy.py. launch/ stays: it is the same for every lesson; so do the tests'
+    own modules (the warm launcher's module holds its servers)."""
+    folders = tuple(str(ROOT / folder) + os.sep for folder in FOLDERS if folder != "launch")
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None) or ""
-        if path.startswith(str(ROOT) + os.sep) and not name.startswith("launch"):
+        if path.startswith(folders) and not name.startswith("launch"):
             del sys.modules[name]
 
 

@@ -31,9 +31,9 @@ from launch.dist_setup import float_in, int_in, lesson_parser, print0, run
 
 
 def main(args, ctx):
+    stuck = check_start(ctx, args)
     missing = [name for name in ("aiohttp", "jinja2", "tabulate") if not importable(name)]
     ctx.require(not missing, f"needs {' '.join(missing)}: pip install aiohttp jinja2 tabulate")
-    stuck = check_start(ctx, args)
     # Every rank: a worker server (a free port). Rank 0 also: the front end, a process of its own,
     # spawned: a fresh interpreter rather than a fork of a rank that runs the group's threads
     start_debug_server(port=args.port, start_method="spawn")

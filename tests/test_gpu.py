@@ -240,11 +240,7 @@ NODE_GLOO = [
     # dtensor_basics.py's Gloo run too: train_local_sgd.py's two NCCL runs took its 9.5 s
 ]
 # `python lesson.py --nproc N` (mp's forkserver path with CUDA) in the node check.
-NODE_PYTHON = [
-    "primitives/all_reduce.py",
-    "ddp_basics/ddp_minimal.py",
-    "launch/elastic.py",
-]
+NODE_PYTHON = ["primitives/all_reduce.py", "ddp_basics/ddp_minimal.py", "launch/elastic.py"]
 # ... and in --gpu-full only: the node check's 15 min gave their share to debug_server.py's hang
 # (dtensor_basics.py: DTensor's RNG tracker on the spawn path) and train_local_sgd.py (fsdp_minimal)
 FULL_PYTHON = ["primitives/dtensor_basics.py", "fsdp_basics/fsdp_minimal.py"]

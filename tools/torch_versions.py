@@ -4,7 +4,7 @@
     python tools/torch_versions.py --torch 2.15.0 --commit 79462db --venv /tmp/t215 -- -n 2
 
 It makes (or reuses) a venv, installs `torch==VERSION` there, then requirements.txt, pytest and
-pytest-xdist (so it also shows that requirements.txt keeps that torch), clones the repository at
+pytest-xdist, and requirements-debug.txt as .ci/run does (so it also shows that requirements.txt keeps that torch), clones the repository at
 the commit into a temporary folder and runs `VENV/bin/python -m pytest` there, the venv not
 activated. Arguments after `--` go to pytest. pip picks the build: on Linux PyPI's torch is the
 CUDA build (several GB; it runs on a machine without a GPU too), a local CPU wheel where pip's
@@ -57,6 +57,8 @@ def main():
         pip = [python, "-m", "pip", "install", "-q"]
         sh(*pip, f"torch=={args.torch}", env=pip_env)
         sh(*pip, "-r", "requirements.txt", "pytest", "pytest-xdist", cwd=clone, env=pip_env)
+        if (clone / "requirements-debug.txt").exists():  # debug_server.py's packages, as .ci/run
+            sh(*pip, "-r", "requirements-debug.txt", cwd=clone, env=pip_env)
         build = subprocess.check_output(
             [python, "-c", "import torch; print(torch.__version__, torch.version.cuda or 'cpu')"],
             text=True,

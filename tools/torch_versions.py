@@ -6,10 +6,11 @@
 It makes (or reuses) a venv, installs `torch==VERSION` there, then requirements.txt, pytest and
 pytest-xdist (so it also shows that requirements.txt keeps that torch) and requirements-debug.txt as
 .ci/run does, clones the repository at the commit into a temporary folder and runs
-`VENV/bin/python -m pytest` there, the venv not activated. Arguments after `--` go to pytest. pip picks the build: on Linux PyPI's torch is the
-CUDA build (several GB; it runs on a machine without a GPU too), a local CPU wheel where pip's
-index has one. --no-pip-config ignores pip's configuration files during the installs (for a
-release above a cap that a constraints file sets on this machine).
+`VENV/bin/python -m pytest` there, the venv not activated. Arguments after `--` go to pytest. pip
+picks the build: on Linux PyPI's torch is the CUDA build (several GB; it runs on a machine without
+a GPU too), a local CPU wheel where pip's index has one. --no-pip-config ignores pip's
+configuration files during the installs (for a release above a cap that a constraints file sets on
+this machine).
 """
 
 import argparse

@@ -150,7 +150,9 @@ def test_hanging_run_is_killed_at_timeout_with_every_process(tmp_path):
         if os.environ["RANK"] == "0":
             sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
             pids.append(subprocess.Popen(sleeper).pid)
-        print("pids", os.getpgid(0), *pids, flush=True)
+        # one write: print() writes piece by piece, and two ranks' pieces mixed on the pipe once
+        sys.stdout.write(" ".join(map(str, ["pids", os.getpgid(0), *pids])) + "\\n")
+        sys.stdout.flush()
         time.sleep(600)
     """,
     )
@@ -177,7 +179,9 @@ HANG = """
     if os.environ["RANK"] == "0":
         sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
         pids.append(subprocess.Popen(sleeper).pid)
-    print("pids", os.getpgid(0), *pids, flush=True)
+    # one write: print() writes piece by piece, and two ranks' pieces mixed on the pipe once
+    sys.stdout.write(" ".join(map(str, ["pids", os.getpgid(0), *pids])) + "\\n")
+    sys.stdout.flush()
     time.sleep(600)
 """
 

@@ -240,8 +240,9 @@ def test_crash_check_fails_when_the_pointer_moves_too_early(tmp_path):
     """The same crash in a copy that renames before it waits: the shards of a write in flight
     become `checkpoint` before its .metadata is written (the write then fails, or the crash comes
     first), and `checkpoint` names no complete checkpoint. (A copy that never waits is not run:
-    its next write's collectives meet the previous one's on one group, and Gloo aborted the
-    process once and hung once in two runs, torch 2.13.)"""
+    its next write's collectives meet the previous one's on one group: Gloo aborted the process
+    once and hung once in two runs, 2026-11-26, torch 2.13.0+cpu, c60cf26; on 2026-11-27 the same
+    copy failed earlier, at the first read-back, 3 of 3: transformer_basics/README.md.)"""
     out = tmp_path / "crashed"
     copy = mutant(tmp_path, TRAIN, CRASH, *PUBLISH_FIRST, file="checkpointing.py")
     crashed = run_lesson(copy, *ARGS, "--out", out, nproc=2, launcher="warm", timeout=TIMEOUT)

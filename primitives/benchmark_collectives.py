@@ -60,7 +60,11 @@ def main(args, ctx):
     ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: run with --nproc_per_node=2 or more")
     ctx.require(args.min_bytes <= args.max_bytes, "--min-bytes must not be above --max-bytes")
     if "sendrecv" in args.ops:
-        ctx.require_point_to_point()
+        # Gloo's send and recv take CPU tensors only (docs: distributed.html#backends)
+        ctx.require(
+            ctx.backend != "gloo" or ctx.device.type == "cpu",
+            "point-to-point on gloo needs CPU tensors: use --backend nccl or --device cpu",
+        )
     n, dtype, sizes = ctx.world_size, getattr(torch, args.dtype), [args.min_bytes]
     while sizes[-1] * args.factor <= args.max_bytes:
         sizes.append(sizes[-1] * args.factor)

@@ -57,6 +57,34 @@ def seconds_per_call(call, args, ctx):
     return seconds.item()
 
 
+def buffers_and_call(op, count, dtype, device, rank, n):
+    """(output, input, call) for a message of `count` elements (count % n == 0). As in nccl-tests,
+    the size is all_gather's output and reduce_scatter's input; in place where the call is."""
+    part = count // n
+    out = torch.empty(part if op == "reduce_scatter" else count, dtype=dtype, device=device)
+    if op in ("all_reduce", "broadcast", "reduce"):
+        inp = out
+    else:
+        inp = torch.empty(part if op == "all_gather" else count, dtype=dtype, device=device)
+    right, left = (rank + 1) % n, (rank - 1) % n
+
+    def sendrecv():  # every rank sends right and receives from the left, in one batch (NCCL-safe)
+        ops = [dist.P2POp(dist.isend, inp, right), dist.P2POp(dist.irecv, out, left)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    call = {
+        "all_reduce": lambda: dist.all_reduce(out),
+        "all_gather": lambda: dist.all_gather_single(out, inp),
+        "reduce_scatter": lambda: dist.reduce_scatter_single(out, inp),
+        "broadcast": lambda: dist.broadcast(out, src=0),
+        "reduce": lambda: dist.reduce(out, dst=0),
+        "all_to_all": lambda: dist.all_to_all_single(out, inp),  # block j of the input to rank j
+        "sendrecv": sendrecv,
+    }[op]
+    return out, inp, call
+
+
 def main(args, ctx):
     ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: run with --nproc_per_node=2 or more")
     ctx.require(args.min_bytes <= args.max_bytes, "--min-bytes must not be above --max-bytes")
@@ -73,11 +101,11 @@ def main(args, ctx):
     rows = []
     for op, size in sweep(args.ops, sizes, ctx.rank):  # rank 0: a tqdm bar on a terminal's stderr
         count = max(n, size // dtype.itemsize // n * n)  # whole elements, divisible by n
-        result, inp, call, expected = make_call(op, count, dtype, ctx.device, ctx.rank, n)
+        result, inp, call = buffers_and_call(op, count, dtype, ctx.device, ctx.rank, n)
         fill(inp, ctx.rank)
         seconds = seconds_per_call(call, args, ctx)
-        check_one_more_call(op, count, result, inp, call, expected, tolerance(dtype, n), ctx)
-        del result, inp, call, expected  # free this size's buffers before the next, larger one
+        check_one_more_call(op, count, result, inp, call, ctx)
+        del result, inp, call  # free this size's buffers before the next, larger one
         algbw = count * dtype.itemsize / seconds / 1e9
         rows.append(record(op, count, seconds, algbw, algbw * bus_factor(op, n), args, ctx))
     save_and_summarise(rows, len(sizes), args, ctx)
@@ -112,62 +140,30 @@ def first_wrong(result, expected, rtol):
     for start in range(0, flat.numel(), CHUNK):
         idx = torch.arange(start, min(start + CHUNK, flat.numel()), device=flat.device)
         got, want = flat[start : start + idx.numel()].double(), expected(idx).double()
-        bad = (
-            ~((got - want).abs() <= rtol * want.abs())
-        ).nonzero()  # written so that a NaN counts as wrong
+        bad = (~((got - want).abs() <= rtol * want.abs())).nonzero()  # a NaN counts as wrong
         if bad.numel():
             i = bad[0].item()
             return start + i, got[i].item(), want[i].item()
     return None
 
 
-def make_call(op, count, dtype, device, rank, n):
-    """(result, input, call, expected) for one message of `count` elements (count % n == 0):
-    expected(i) is what result[i] must hold, in closed form (None where it is undefined). At most
-    twice the message."""
-    part, right, left = count // n, (rank + 1) % n, (rank - 1) % n
-    out = torch.empty(part if op == "reduce_scatter" else count, dtype=dtype, device=device)
-    in_place = op in ("all_reduce", "broadcast", "reduce")
-    inp = (
-        out
-        if in_place
-        else torch.empty(part if op == "all_gather" else count, dtype=dtype, device=device)
-    )
+def closed_form(op, count, rank, n):
+    """expected(i): what element i of op's result must hold, in closed form (None where it is
+    undefined: a reduce's output off the root). Rank r's part of a split message is at r * part."""
+    part, left = count // n, (rank - 1) % n
 
     def total(i):  # the sum over ranks r of value(r, i)
         return n * (i % 7) + n * (n + 1) // 2
 
-    def sendrecv():  # every rank sends right and receives from the left, in one batch (NCCL-safe)
-        for work in dist.batch_isend_irecv(
-            [dist.P2POp(dist.isend, inp, right), dist.P2POp(dist.irecv, out, left)]
-        ):
-            work.wait()
-
-    (
-        call,
-        expected,
-    ) = {  # size = all_gather's output, reduce_scatter's input: rank r's part is at r * part
-        "all_reduce": (lambda: dist.all_reduce(out), total),
-        "all_gather": (
-            lambda: dist.all_gather_single(out, inp),
-            lambda i: value(i // part, i % part),
-        ),
-        "reduce_scatter": (
-            lambda: dist.reduce_scatter_single(out, inp),
-            lambda i: total(rank * part + i),
-        ),
-        "broadcast": (lambda: dist.broadcast(out, src=0), lambda i: value(0, i)),
-        "reduce": (
-            lambda: dist.reduce(out, dst=0),
-            total if rank == 0 else None,
-        ),  # defined on the root only
-        "all_to_all": (
-            lambda: dist.all_to_all_single(out, inp),  # block j of my input goes to rank j
-            lambda i: value(i // part, rank * part + i % part),
-        ),  # block s of my output came from s
-        "sendrecv": (sendrecv, lambda i: value(left, i)),
+    return {
+        "all_reduce": total,
+        "all_gather": lambda i: value(i // part, i % part),
+        "reduce_scatter": lambda i: total(rank * part + i),
+        "broadcast": lambda i: value(0, i),
+        "reduce": total if rank == 0 else None,
+        "all_to_all": lambda i: value(i // part, rank * part + i % part),  # block s came from s
+        "sendrecv": lambda i: value(left, i),
     }[op]
-    return out, inp, call, expected
 
 
 def tolerance(dtype, n):
@@ -193,9 +189,11 @@ def row(text):
         sys.stdout.flush()
 
 
-def check_one_more_call(op, count, result, inp, call, expected, rtol, ctx):
+def check_one_more_call(op, count, result, inp, call, ctx):
     """Refill the input, call once more and compare with the closed form; raise on every rank if
     one rank's result is wrong."""
+    expected = closed_form(op, count, ctx.rank, ctx.world_size)
+    rtol = tolerance(result.dtype, ctx.world_size)
     nbytes = count * result.element_size()
     if result is not inp:
         result.fill_(-1)  # so that a call that writes nothing cannot pass on the last call's output

@@ -60,7 +60,7 @@ class _HelpWithRanges(argparse.RawDescriptionHelpFormatter):
 
 
 def lesson_parser(doc, min_ranks=1):
-    """argparse with the set-up flags; min_ranks: the fewest ranks plain python starts."""
+    """argparse with the set-up flags; min_ranks: the fewest ranks the lesson runs at."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=_HelpWithRanges)
     parser.set_defaults(min_ranks=min_ranks)
     add, env = parser.add_argument_group("distributed set-up").add_argument, os.environ.get

@@ -49,6 +49,27 @@ def bucketed(model, cap_mb):
             g.copy_(part.view_as(g))
 
 
+def timed(model, x, y, args, device, sync=None):
+    """Train args.warmup + args.steps steps on (x, y) batches; return (seconds per timed step,
+    model)."""
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    n = len(x) // (args.warmup + args.steps)
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            if device.type != "cpu":
+                torch.accelerator.synchronize()
+            start = time.perf_counter()
+        xb, yb = x[step * n : (step + 1) * n].to(device), y[step * n : (step + 1) * n].to(device)
+        F.cross_entropy(model(xb), yb).backward()
+        if sync is not None:
+            sync(model)
+        opt.step()
+        opt.zero_grad()
+    if device.type != "cpu":
+        torch.accelerator.synchronize()
+    return (time.perf_counter() - start) / args.steps, model
+
+
 def main(args, ctx):
     W, B = ctx.world_size, args.batch
     ctx.require(B % W == 0, f"--batch {B} must divide by {W} ranks")
@@ -79,27 +100,6 @@ def main(args, ctx):
 
 
 # ---- The lesson ends here. What follows is how it checks itself. ----
-
-
-def timed(model, x, y, args, device, sync=None):
-    """Train args.warmup + args.steps steps on (x, y) batches; return (seconds per timed step,
-    model)."""
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
-    n = len(x) // (args.warmup + args.steps)
-    for step in range(args.warmup + args.steps):
-        if step == args.warmup:
-            if device.type != "cpu":
-                torch.accelerator.synchronize()
-            start = time.perf_counter()
-        xb, yb = x[step * n : (step + 1) * n].to(device), y[step * n : (step + 1) * n].to(device)
-        F.cross_entropy(model(xb), yb).backward()
-        if sync is not None:
-            sync(model)
-        opt.step()
-        opt.zero_grad()
-    if device.type != "cpu":
-        torch.accelerator.synchronize()
-    return (time.perf_counter() - start) / args.steps, model
 
 
 def print_table(start, single, times, args, ctx):

@@ -35,6 +35,26 @@ from launch.dist_setup import float_in, int_in, lesson_parser, print0, run
 from toy import MLP, fp32_tolerance, make_data
 
 
+def timed_steps(model, opt, batches, devices):
+    """Run the steps (inputs go to devices[0]); return seconds per step over all but the first
+    (warm-up) step, after waiting for the work queued on every device in `devices`."""
+    for i, (xb, yb) in enumerate(batches):
+        if i == 1:
+            synchronize(devices)
+            start = time.perf_counter()
+        F.cross_entropy(model(xb.to(devices[0])), yb.to(devices[0])).backward()
+        opt.step()
+        opt.zero_grad()
+    synchronize(devices)
+    return (time.perf_counter() - start) / (len(batches) - 1)
+
+
+def synchronize(devices):
+    for device in devices:
+        if device.type != "cpu":
+            torch.accelerator.synchronize(device)
+
+
 def main(args, ctx):
     W, B = ctx.world_size, args.batch
     ctx.require(B % W == 0, f"--batch {B} must divide by {W} ranks")
@@ -76,26 +96,6 @@ def main(args, ctx):
 
 
 # ---- The lesson ends here. What follows is how it checks itself. ----
-
-
-def timed_steps(model, opt, batches, devices):
-    """Run the steps (inputs go to devices[0]); return seconds per step over all but the first
-    (warm-up) step, after waiting for the work queued on every device in `devices`."""
-    for i, (xb, yb) in enumerate(batches):
-        if i == 1:
-            synchronize(devices)
-            start = time.perf_counter()
-        F.cross_entropy(model(xb.to(devices[0])), yb.to(devices[0])).backward()
-        opt.step()
-        opt.zero_grad()
-    synchronize(devices)
-    return (time.perf_counter() - start) / (len(batches) - 1)
-
-
-def synchronize(devices):
-    for device in devices:
-        if device.type != "cpu":
-            torch.accelerator.synchronize(device)
 
 
 def check_against_one_process(start, full, ddp, dp, args, ctx):

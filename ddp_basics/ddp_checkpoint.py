@@ -137,7 +137,7 @@ def main(args, ctx):
         f"--resume-after {args.resume_after} must be below --epochs {args.epochs}",
     )
     ctx.require(args.fail_at_step is None or args.save_every, "--fail-at-step needs --save-every N")
-    ctx.require_writable_dir(args.out)
+    ctx.require(can_write_in(args.out), f"cannot write to {args.out}: pass another --out")
     path = os.path.join(args.out, "ddp_checkpoint.pt")
     if args.save_every:  # a job: resume if an earlier attempt left a checkpoint
         resume = os.path.exists(path)
@@ -156,6 +156,16 @@ def main(args, ctx):
 
 
 # ---- The lesson ends here. What follows is how it checks itself. ----
+
+
+def can_write_in(folder):
+    """Make folder if it is missing; True if this rank can write in it. Every rank asks: each
+    machine may have a disk of its own."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK)
 
 
 def die_if_asked(done, args, ctx):

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.optim import SGD, AdamW
 
-from launch.dist_setup import float_in, int_in, ints_in, lesson_parser, print0, run
+from launch.dist_setup import float_in, int_in, lesson_parser, print0, run
 from toy import MLP, flat, fp32_tolerance, make_data, spread
 
 
@@ -204,6 +204,17 @@ def check(runs, x, y, args, ctx):
         + "; ".join(f"{a[0]} = {b[0]} at H={a[1]}" for a, b in pairs)
         + "; each sends 1/H of sync's bytes per step"
     )
+
+
+def ints_in(low, high):
+    """An argparse type: a comma-separated list of integers, each in [low, high] (1,8,32)."""
+    one = int_in(low, high)
+
+    def parse(text):
+        return [one(part) for part in text.split(",")]
+
+    parse.__name__, parse.high = f"a comma-separated list of integers in [{low}, {high}]", high
+    return parse
 
 
 if __name__ == "__main__":

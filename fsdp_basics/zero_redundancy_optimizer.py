@@ -46,7 +46,8 @@ def main(args, ctx):
         args.stop_at <= args.steps, f"--stop-at must be between 0 and --steps ({args.steps})"
     )
     end = args.stop_at or args.steps
-    ctx.require_writable_dir(os.path.dirname(args.checkpoint) or ".")
+    folder = os.path.dirname(args.checkpoint) or "."
+    ctx.require(can_write_in(folder), f"cannot write to {folder}: pass another --checkpoint")
     x, y = (t.to(ctx.device) for t in make_data(args.batch * args.steps))
     torch.manual_seed(0)  # the same initial model on every rank (drawn on the CPU, then moved)
     model = BlockMLP(args.width, args.depth).to(ctx.device)
@@ -98,6 +99,16 @@ def load(path, model, opt, args, ctx):
 
 
 # ---- The lesson ends here. What follows is how it checks itself. ----
+
+
+def can_write_in(folder):
+    """Make folder if it is missing; True if this rank can write in it. Every rank asks: each
+    machine may have a disk of its own."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK)
 
 
 def check_checkpoint_fits(path, model, ctx):

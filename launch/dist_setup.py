@@ -5,20 +5,18 @@
     def main(args, ctx):  # ctx: rank, world_size, local_rank, local_world_size, device, backend
         print0("OK")
 
-    if __name__ == "__main__":
-        run(main, lesson_parser(__doc__).parse_args())
+    run(main, lesson_parser(__doc__).parse_args())  # under if __name__ == "__main__":
 
-Under torchrun each rank picks its device (a GPU each and NCCL if every local rank has one, else
-CPU and Gloo), starts the process group with a bounded timeout, runs main and destroys the group
-on every path; ctx.require(ok, message) ends every rank with one line and exit code 2. Plain
-`python lesson.py --nproc N` starts N ranks through launch/local_ranks.py, imported only then.
+Under torchrun, run() picks each rank's device (a GPU each and NCCL if every local rank has one,
+else CPU and Gloo), starts the process group with a bounded timeout, runs main and destroys the
+group on every path. Plain `python lesson.py --nproc N` starts N ranks through
+launch/local_ranks.py, imported only then.
 """
 
 import argparse
 import datetime
 import functools
 import gc
-import math
 import os
 import sys
 import time
@@ -41,7 +39,7 @@ def _ranged(kind, low, high, low_open=False):
         try:
             value = kind(text)
         except ValueError:
-            value = math.nan  # compares False with everything: refused below
+            value = float("nan")  # compares False with everything: refused below
         if not (low < value <= high if low_open else low <= value <= high):
             raise argparse.ArgumentTypeError(f"{text} is not {noun} in {where}")
         return value
@@ -54,17 +52,6 @@ int_in = functools.partial(_ranged, int)  # int_in(1, 100): an integer in [1, 10
 float_in = functools.partial(_ranged, float)  # float_in(0, 1, low_open=True): a number in (0, 1]
 
 
-def ints_in(low, high):
-    """A comma-separated list of integers, each in [low, high] (1024,1048576)."""
-    one = int_in(low, high)
-
-    def parse(text):
-        return [one(part) for part in text.split(",")]
-
-    parse.__name__, parse.high = f"a comma-separated list of integers in [{low}, {high}]", high
-    return parse
-
-
 class _HelpWithRanges(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action):  # each flag's range (its type's name) and default
         help, ranged = action.help or "", hasattr(action.type, "high")
@@ -72,12 +59,12 @@ class _HelpWithRanges(argparse.RawDescriptionHelpFormatter):
         return help + " (%(type)s)" * ranged + " (default: %(default)s)" * shown
 
 
-def lesson_parser(doc, default_nproc=None, min_ranks=1):
-    """argparse with the set-up flags. min_ranks, default_nproc: what plain python starts."""
+def lesson_parser(doc, min_ranks=1):
+    """argparse with the set-up flags; min_ranks: the fewest ranks the lesson runs at."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=_HelpWithRanges)
     parser.set_defaults(min_ranks=min_ranks)
     add, env = parser.add_argument_group("distributed set-up").add_argument, os.environ.get
-    add("--nproc", type=int_in(1, 4096), default=default_nproc,
+    add("--nproc", type=int_in(1, 4096),
         help="plain python only: ranks to start (default: one per GPU, else 2)")  # fmt: skip
     add("--backend", default=env("DIST_BACKEND"),
         help="gloo or nccl (env DIST_BACKEND; default: nccl with a GPU a rank)")  # fmt: skip
@@ -124,26 +111,9 @@ class Context:
     backend: str
 
     def require(self, ok, message):
-        """Stop every rank with a one-line message when a start condition fails."""
+        """A start condition: if not ok, every rank prints one line and exits with code 2."""
         if not ok:
             raise UsageError(message)
-
-    def require_writable_dir(self, path):
-        """Make `path` and check that this rank can write in it (each machine has its own disk)."""
-        try:
-            os.makedirs(path, exist_ok=True)
-            probe = os.path.join(path, f".write_test_{os.getpid()}")
-            open(probe, "w").close()
-            os.remove(probe)
-        except OSError as error:
-            raise UsageError(f"cannot write to {path} ({error.strerror}): pass another") from None
-
-    def require_point_to_point(self):
-        """Gloo's send/recv take CPU tensors only (docs: distributed.html#backends)."""
-        self.require(
-            self.backend != "gloo" or self.device.type == "cpu",
-            "point-to-point on gloo needs CPU tensors: use --backend nccl or --device cpu",
-        )
 
 
 def run(main, args, init_process_group=True):
@@ -186,7 +156,8 @@ def run(main, args, init_process_group=True):
 
 def _write(text, stream=None):
     # One write call per line: print(a, b) writes piece by piece, and the pieces of several ranks
-    # mix on a shared pipe. A write of up to 4 KiB to a pipe is never split (POSIX PIPE_BUF).
+    # mix on a shared pipe. A write to a pipe of at most PIPE_BUF bytes is never mixed with others:
+    # POSIX promises 512 bytes, Linux gives 4,096 (man 7 pipe); a longer line may be split.
     stream = stream or sys.stdout
     stream.write(text + "\n")
     stream.flush()

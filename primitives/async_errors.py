@@ -24,7 +24,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from launch.dist_setup import float_in, int_in, ints_in, lesson_parser, print0, print_in_order, run
+from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_order, run
 
 
 def main(args, ctx):
@@ -136,6 +136,17 @@ def print_table(rows, size):
             f"{1e3 * total:>6.1f} ms {1e3 * each:>11.1f} ms"
         )
     print_in_order("\n".join(lines))
+
+
+def ints_in(low, high):
+    """An argparse type: a comma-separated list of integers, each in [low, high] (1,8,32)."""
+    one = int_in(low, high)
+
+    def parse(text):
+        return [one(part) for part in text.split(",")]
+
+    parse.__name__, parse.high = f"a comma-separated list of integers in [{low}, {high}]", high
+    return parse
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 For each op in --ops and each size from --min-bytes to --max-bytes (times --factor each step): the
 time per call (the slowest rank's, after --warmup untimed and --iters timed calls), algbw and busbw
-in GB/s, and "ok" once one more call on fresh data matched its closed form (benchmark_calls.py).
+in GB/s, and "ok" once one more call on fresh data matched its closed form (below the divider).
 As in nccl-tests, size is the largest buffer a rank holds, algbw = size / time and busbw = algbw *
 bus_factor: what each rank's link carried, comparable across world sizes and with the hardware's
 peak. Memory per rank: twice the message plus ~0.3 GB for the check (8G fits an 80 GB GPU).
@@ -18,11 +18,12 @@ Docs: https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md
 import argparse
 import csv
 import json
+import sys
 import time
 
 import torch
 import torch.distributed as dist
-from benchmark_calls import fill, first_wrong, make_call, row, sweep, tolerance
+from tqdm import tqdm
 from launch import charts
 from launch.dist_setup import int_in, lesson_parser, print0, run
 
@@ -56,11 +57,43 @@ def seconds_per_call(call, args, ctx):
     return seconds.item()
 
 
+def buffers_and_call(op, count, dtype, device, rank, n):
+    """(output, input, call) for a message of `count` elements (count % n == 0). As in nccl-tests,
+    the size is all_gather's output and reduce_scatter's input; in place where the call is."""
+    part = count // n
+    out = torch.empty(part if op == "reduce_scatter" else count, dtype=dtype, device=device)
+    if op in ("all_reduce", "broadcast", "reduce"):
+        inp = out
+    else:
+        inp = torch.empty(part if op == "all_gather" else count, dtype=dtype, device=device)
+    right, left = (rank + 1) % n, (rank - 1) % n
+
+    def sendrecv():  # every rank sends right and receives from the left, in one batch (NCCL-safe)
+        ops = [dist.P2POp(dist.isend, inp, right), dist.P2POp(dist.irecv, out, left)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    call = {
+        "all_reduce": lambda: dist.all_reduce(out),
+        "all_gather": lambda: dist.all_gather_single(out, inp),
+        "reduce_scatter": lambda: dist.reduce_scatter_single(out, inp),
+        "broadcast": lambda: dist.broadcast(out, src=0),
+        "reduce": lambda: dist.reduce(out, dst=0),
+        "all_to_all": lambda: dist.all_to_all_single(out, inp),  # block j of the input to rank j
+        "sendrecv": sendrecv,
+    }[op]
+    return out, inp, call
+
+
 def main(args, ctx):
     ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: run with --nproc_per_node=2 or more")
     ctx.require(args.min_bytes <= args.max_bytes, "--min-bytes must not be above --max-bytes")
     if "sendrecv" in args.ops:
-        ctx.require_point_to_point()
+        # Gloo's send and recv take CPU tensors only (docs: distributed.html#backends)
+        ctx.require(
+            ctx.backend != "gloo" or ctx.device.type == "cpu",
+            "point-to-point on gloo needs CPU tensors: use --backend nccl or --device cpu",
+        )
     n, dtype, sizes = ctx.world_size, getattr(torch, args.dtype), [args.min_bytes]
     while sizes[-1] * args.factor <= args.max_bytes:
         sizes.append(sizes[-1] * args.factor)
@@ -68,11 +101,11 @@ def main(args, ctx):
     rows = []
     for op, size in sweep(args.ops, sizes, ctx.rank):  # rank 0: a tqdm bar on a terminal's stderr
         count = max(n, size // dtype.itemsize // n * n)  # whole elements, divisible by n
-        result, inp, call, expected = make_call(op, count, dtype, ctx.device, ctx.rank, n)
+        result, inp, call = buffers_and_call(op, count, dtype, ctx.device, ctx.rank, n)
         fill(inp, ctx.rank)
         seconds = seconds_per_call(call, args, ctx)
-        check_one_more_call(op, count, result, inp, call, expected, tolerance(dtype, n), ctx)
-        del result, inp, call, expected  # free this size's buffers before the next, larger one
+        check_one_more_call(op, count, result, inp, call, ctx)
+        del result, inp, call  # free this size's buffers before the next, larger one
         algbw = count * dtype.itemsize / seconds / 1e9
         rows.append(record(op, count, seconds, algbw, algbw * bus_factor(op, n), args, ctx))
     save_and_summarise(rows, len(sizes), args, ctx)
@@ -81,9 +114,86 @@ def main(args, ctx):
 # ---- The lesson ends here. What follows is how it checks itself. ----
 
 
-def check_one_more_call(op, count, result, inp, call, expected, rtol, ctx):
+# The calls timed, each with the closed form of its result. Rank r's input holds
+# value(r, i) = i % 7 + r + 1 at index i, so every result element is a small integer known in
+# closed form; fill and first_wrong work chunk by chunk, on the device, so that no temporary is as
+# large as the message (up to 8G on a GPU).
+CHUNK = 1 << 22  # elements per step of fill and check: their temporaries stay near 0.3 GB
+
+
+def value(r, i):
+    """Rank r's input at index i (a tensor of indices): small integers, so every sum is exact."""
+    return i % 7 + r + 1
+
+
+def fill(buf, r):
+    """Write rank r's input into buf, chunk by chunk: no temporary the size of the message."""
+    flat = buf.view(-1)
+    for start in range(0, flat.numel(), CHUNK):
+        idx = torch.arange(start, min(start + CHUNK, flat.numel()), device=flat.device)
+        flat[start : start + idx.numel()] = value(r, idx)
+
+
+def first_wrong(result, expected, rtol):
+    """(index, got, want) of the first element of result unlike expected(index), or None."""
+    flat = result.view(-1)
+    for start in range(0, flat.numel(), CHUNK):
+        idx = torch.arange(start, min(start + CHUNK, flat.numel()), device=flat.device)
+        got, want = flat[start : start + idx.numel()].double(), expected(idx).double()
+        bad = (~((got - want).abs() <= rtol * want.abs())).nonzero()  # a NaN counts as wrong
+        if bad.numel():
+            i = bad[0].item()
+            return start + i, got[i].item(), want[i].item()
+    return None
+
+
+def closed_form(op, count, rank, n):
+    """expected(i): what element i of op's result must hold, in closed form (None where it is
+    undefined: a reduce's output off the root). Rank r's part of a split message is at r * part."""
+    part, left = count // n, (rank - 1) % n
+
+    def total(i):  # the sum over ranks r of value(r, i)
+        return n * (i % 7) + n * (n + 1) // 2
+
+    return {
+        "all_reduce": total,
+        "all_gather": lambda i: value(i // part, i % part),
+        "reduce_scatter": lambda i: total(rank * part + i),
+        "broadcast": lambda i: value(0, i),
+        "reduce": total if rank == 0 else None,
+        "all_to_all": lambda i: value(i // part, rank * part + i % part),  # block s came from s
+        "sendrecv": lambda i: value(left, i),
+    }[op]
+
+
+def tolerance(dtype, n):
+    """Every value a result holds is an integer no larger than all_reduce's 6n + n(n+1)/2. A float
+    type holds every integer up to 2^(mantissa bits + 1) = 2 / eps exactly, so up to there any sum
+    is exact and the check bit for bit (float32: any sane n; bfloat16: n <= 17; float16: n <= 58).
+    Beyond, each of a reduction's n-1 additions may round by half an ulp: n * eps bounds the
+    relative error."""
+    eps = torch.finfo(dtype).eps
+    return 0.0 if 6 * n + n * (n + 1) // 2 <= 2 / eps else n * eps
+
+
+def sweep(ops, sizes, rank):
+    """Every (op, size), op by op; on rank 0 a tqdm bar on stderr when it is a terminal (None)."""
+    return tqdm([(op, size) for op in ops for size in sizes], "sizes", disable=rank != 0 or None)
+
+
+def row(text):
+    """Rank 0 prints a line of the table through tqdm.write: on a terminal it clears the bar, prints
+    the line and draws the bar again below it, so the two never share a line."""
+    if dist.get_rank() == 0:
+        tqdm.write(text)
+        sys.stdout.flush()
+
+
+def check_one_more_call(op, count, result, inp, call, ctx):
     """Refill the input, call once more and compare with the closed form; raise on every rank if
     one rank's result is wrong."""
+    expected = closed_form(op, count, ctx.rank, ctx.world_size)
+    rtol = tolerance(result.dtype, ctx.world_size)
     nbytes = count * result.element_size()
     if result is not inp:
         result.fill_(-1)  # so that a call that writes nothing cannot pass on the last call's output

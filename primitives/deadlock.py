@@ -38,7 +38,11 @@ def send_first_on_every_rank(rank, right, left, n, timeout_s):
 
 def main(args, ctx):
     ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: run with --nproc_per_node=2 or more")
-    ctx.require_point_to_point()
+    # Gloo's send and recv take CPU tensors only (docs: distributed.html#backends)
+    ctx.require(
+        ctx.backend != "gloo" or ctx.device.type == "cpu",
+        "point-to-point on gloo needs CPU tensors: use --backend nccl or --device cpu",
+    )
     rank, world = ctx.rank, ctx.world_size
     right, left = (rank + 1) % world, (rank - 1) % world
 

@@ -27,7 +27,11 @@ def stage(x, rank):
 
 def main(args, ctx):
     ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: run with --nproc_per_node=2 or more")
-    ctx.require_point_to_point()
+    # Gloo's send and recv take CPU tensors only (docs: distributed.html#backends)
+    ctx.require(
+        ctx.backend != "gloo" or ctx.device.type == "cpu",
+        "point-to-point on gloo needs CPU tensors: use --backend nccl or --device cpu",
+    )
     rank, world, n, dev = ctx.rank, ctx.world_size, args.size, ctx.device
 
     # 1. The chain. Rank 0 makes the input; every later rank receives, transforms, sends on.

@@ -16,7 +16,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from launch.dist_setup import int_in, ints_in, lesson_parser, print0, run
+from launch.dist_setup import int_in, lesson_parser, print0, run
 
 
 def ring_all_reduce(tensor, rank, world):
@@ -69,7 +69,11 @@ def tree_all_reduce(tensor, rank, world):
 
 def main(args, ctx):
     ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: run with --nproc_per_node=2 or more")
-    ctx.require_point_to_point()
+    # Gloo's send and recv take CPU tensors only (docs: distributed.html#backends)
+    ctx.require(
+        ctx.backend != "gloo" or ctx.device.type == "cpu",
+        "point-to-point on gloo needs CPU tensors: use --backend nccl or --device cpu",
+    )
     dist.barrier()  # NCCL: a first batch_isend_irecv must involve every rank; a short one may not
     for n in args.sizes:
         mine = data_of(ctx.rank, n).to(ctx.device)
@@ -177,6 +181,17 @@ def print_summary(args, ctx):
         "OK: ring and tree all-reduce built from send/recv equal dist.all_reduce and a plain sum "
         f"bit for bit on {world} ranks at sizes {args.sizes}"
     )
+
+
+def ints_in(low, high):
+    """An argparse type: a comma-separated list of integers, each in [low, high] (1,8,32)."""
+    one = int_in(low, high)
+
+    def parse(text):
+        return [one(part) for part in text.split(",")]
+
+    parse.__name__, parse.high = f"a comma-separated list of integers in [{low}, {high}]", high
+    return parse
 
 
 if __name__ == "__main__":

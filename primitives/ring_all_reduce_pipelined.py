@@ -21,7 +21,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from launch.dist_setup import int_in, ints_in, lesson_parser, print0, print_in_order, run
+from launch.dist_setup import int_in, lesson_parser, print0, print_in_order, run
 from ring_all_reduce import check_sum, data_of, library_all_reduce, ring_all_reduce
 
 
@@ -56,7 +56,11 @@ def pipelined_ring_all_reduce(tensor, rank, world, chunks):
 
 def main(args, ctx):
     ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: run with --nproc_per_node=2 or more")
-    ctx.require_point_to_point()
+    # Gloo's send and recv take CPU tensors only (docs: distributed.html#backends)
+    ctx.require(
+        ctx.backend != "gloo" or ctx.device.type == "cpu",
+        "point-to-point on gloo needs CPU tensors: use --backend nccl or --device cpu",
+    )
     dist.barrier()  # NCCL: a first batch_isend_irecv must involve every rank (ring_all_reduce.py)
     for n in args.sizes:
         mine = data_of(ctx.rank, n).to(ctx.device)
@@ -167,6 +171,17 @@ def time_split(mine, chunks, args, ctx):
     return f"total {total / args.iters * 1e3:7.3f}  " + "  ".join(
         f"{what} {s * 1e3:7.3f}" for what, s in parts.items()
     )
+
+
+def ints_in(low, high):
+    """An argparse type: a comma-separated list of integers, each in [low, high] (1,8,32)."""
+    one = int_in(low, high)
+
+    def parse(text):
+        return [one(part) for part in text.split(",")]
+
+    parse.__name__, parse.high = f"a comma-separated list of integers in [{low}, {high}]", high
+    return parse
 
 
 if __name__ == "__main__":

@@ -75,7 +75,15 @@ def main(args, ctx):
             else:
                 dist.broadcast(flats[i], src=trainer, group=sync_group)  # lands in the parameters
 
-    train_sync_check_and_time(model, buckets, per_parameter, bucketed, args, ctx, sync_group)
+    check = SyncCheck(args, ctx, sync_group)  # a replica to compare with, and the timings
+    for step in range(args.steps + 1):  # step 0 is a warm-up: not timed
+        if rank == trainer:
+            train_step(model, step)  # the trainer's optimizer step
+        for sync in (per_parameter, bucketed):
+            check.before_sync(model)
+            sync()
+            check.after_sync(sync.__name__, model, step)
+    check.print_timings(params, buckets)
 
 
 # ---- The lesson ends here. What follows is how it checks itself. ----
@@ -112,38 +120,41 @@ def print_outside(sync_group, args, ctx):
     print_rank("trainer rank outside the sync group: takes part in no weight update")
 
 
-def train_sync_check_and_time(model, buckets, per_parameter, bucketed, args, ctx, group):
-    """Each step: the trainer trains, each sync runs (timed) into workers whose weights were just
-    set to NaN, and every rank compares its weights with its replica; step 0 is not timed."""
-    syncs, trainer = {"per-parameter": per_parameter, "bucketed": bucketed}, 0
-    replica = make_model(args, seed=0, device=ctx.device)
-    times = {name: [] for name in syncs}
-    for step in range(args.steps + 1):
-        if ctx.rank == trainer:
-            train_step(model, step)
-        train_step(replica, step)
-        for name, sync in syncs.items():
-            if ctx.rank != trainer:
-                for p in model.parameters():
-                    p.fill_(float("nan"))  # forget: the sync must deliver every value again
-            seconds = slowest_rank_seconds(sync, ctx, group)
-            check_equals_replica(model, replica, name, step, ctx.rank)
-            if step:
-                times[name].append(seconds)
-    print_timings(times, list(model.parameters()), buckets, args, ctx)
+class SyncCheck:
+    """Around each sync: a worker sets its weights to NaN first (the sync must deliver every value
+    again) and after it compares them, bit for bit, with a replica it trains itself; every member
+    of the group times the sync (the slowest rank's time counts), from step 1 on."""
 
+    def __init__(self, args, ctx, group):
+        self.args, self.ctx, self.group = args, ctx, group
+        self.replica, self.replica_step = make_model(args, seed=0, device=ctx.device), 0
+        self.seconds = {"per_parameter": [], "bucketed": []}
 
-def slowest_rank_seconds(fn, ctx, group):
-    dist.barrier(group=group)
-    if ctx.device.type != "cpu":
-        torch.accelerator.synchronize()
-    start = time.perf_counter()
-    fn()
-    if ctx.device.type != "cpu":
-        torch.accelerator.synchronize()
-    elapsed = torch.tensor([time.perf_counter() - start], device=ctx.device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)  # done when the last rank has it
-    return elapsed.item()
+    def before_sync(self, model):
+        if self.ctx.rank != 0:  # a worker forgets its weights
+            for p in model.parameters():
+                p.fill_(float("nan"))
+        dist.barrier(group=self.group)
+        self.synchronize()
+        self.start = time.perf_counter()
+
+    def after_sync(self, name, model, step):
+        self.synchronize()
+        elapsed = torch.tensor([time.perf_counter() - self.start], device=self.ctx.device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=self.group)  # the slowest member's
+        if step:
+            self.seconds[name].append(elapsed.item())
+        while self.replica_step <= step:  # the replica catches up with the trainer's steps
+            train_step(self.replica, self.replica_step)
+            self.replica_step += 1
+        check_equals_replica(model, self.replica, name, step, self.ctx.rank)
+
+    def synchronize(self):
+        if self.ctx.device.type != "cpu":
+            torch.accelerator.synchronize()
+
+    def print_timings(self, params, buckets):
+        print_timings(self.seconds, params, buckets, self.args, self.ctx)
 
 
 def check_equals_replica(model, replica, method, step, rank):
@@ -157,7 +168,7 @@ def check_equals_replica(model, replica, method, step, rank):
 
 def print_timings(times, params, buckets, args, ctx):
     nbytes = sum(p.numel() * p.element_size() for p in params)
-    per, buck = (sum(times[k]) / args.steps * 1e3 for k in ("per-parameter", "bucketed"))
+    per, buck = (sum(times[k]) / args.steps * 1e3 for k in ("per_parameter", "bucketed"))
     print0(
         f"model: {len(params)} tensors, {nbytes / 2**20:.2f} MiB of {args.dtype}; {len(buckets)} "
         f"bucket(s) of at most {args.bucket_mb:g} MiB; trainer rank 0 -> "

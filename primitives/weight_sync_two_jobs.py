@@ -34,6 +34,33 @@ from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_
 from weight_sync import bucket_views, buckets_of, check_equals_replica, make_model, train_step
 
 
+def open_store(args, ctx, timeout):
+    """Trainer rank 0 hosts the store on --sync-host:--sync-port; every other rank connects
+    (retrying until the timeout, so either job may start first)."""
+    fd = None
+    if args.role == "trainer" and ctx.rank == 0:
+        # TCPStore(is_master=True) listens on every interface whatever host it is given (`ss -ltn`
+        # shows *:PORT with torch 2.13); a socket bound here and handed over (detach: the store owns
+        # it now) keeps it on --sync-host.
+        try:
+            fd = socket.create_server((args.sync_host, args.sync_port)).detach()
+        except OSError as error:
+            ctx.require(
+                False,
+                f"cannot listen on {args.sync_host}:{args.sync_port} ({error.strerror}): "
+                "pick a free --sync-port, the same for both jobs",
+            )
+    try:
+        options = dict(is_master=fd is not None, timeout=timeout, wait_for_workers=False)
+        return dist.TCPStore(args.sync_host, args.sync_port, master_listen_fd=fd, **options)
+    except dist.DistError:
+        ctx.require(
+            False,
+            f"no trainer listened on {args.sync_host}:{args.sync_port} within {args.timeout:g} s: "
+            "start the trainer job (--role trainer) with the same --sync-host and --sync-port",
+        )
+
+
 def main(args, ctx):
     trainer, timeout = args.role == "trainer", datetime.timedelta(seconds=args.timeout)
     model = make_model(args, seed=0 if trainer else 1 + ctx.rank, device=ctx.device)
@@ -45,7 +72,8 @@ def main(args, ctx):
         fully_shard(model, mesh=mesh)
 
     # 1. Meet: trainer rank 0 hosts a TCPStore, every rank of both jobs connects to it; the two
-    #    sides compare their models' layouts there before a byte of weights moves (both below).
+    #    sides compare their models' layouts there before a byte of weights moves (the check of
+    #    that, agree_on_layout, is below).
     store = open_store(args, ctx, timeout)
     n_inference = agree_on_layout(store, model, args, ctx, timeout)
 
@@ -107,33 +135,6 @@ class SyncCheck:
             check_equals_replica(model, self.replica, "the two-job", step, self.ctx.rank)
         except RuntimeError as error:
             self.wrong = self.wrong or str(error)
-
-
-def open_store(args, ctx, timeout):
-    """Trainer rank 0 hosts the store on --sync-host:--sync-port; every other rank connects
-    (retrying until the timeout, so either job may start first)."""
-    fd = None
-    if args.role == "trainer" and ctx.rank == 0:
-        # TCPStore(is_master=True) listens on every interface whatever host it is given (`ss -ltn`
-        # shows *:PORT with torch 2.13); a socket bound here and handed over (detach: the store owns
-        # it now) keeps it on --sync-host.
-        try:
-            fd = socket.create_server((args.sync_host, args.sync_port)).detach()
-        except OSError as error:
-            ctx.require(
-                False,
-                f"cannot listen on {args.sync_host}:{args.sync_port} ({error.strerror}): "
-                "pick a free --sync-port, the same for both jobs",
-            )
-    try:
-        options = dict(is_master=fd is not None, timeout=timeout, wait_for_workers=False)
-        return dist.TCPStore(args.sync_host, args.sync_port, master_listen_fd=fd, **options)
-    except dist.DistError:
-        ctx.require(
-            False,
-            f"no trainer listened on {args.sync_host}:{args.sync_port} within {args.timeout:g} s: "
-            "start the trainer job (--role trainer) with the same --sync-host and --sync-port",
-        )
 
 
 def agree_on_layout(store, model, args, ctx, timeout):

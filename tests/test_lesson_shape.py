@@ -26,9 +26,12 @@ DIVIDER = "# ---- The lesson ends here. What follows is how it checks itself. --
 SETUP_LINE = (
     "run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python."
 )
-ABOVE_DIVIDER = 80
-MAX_LINES = 250
+ABOVE_DIVIDER = 100  # one screen
+MAX_LINES = 330  # nanoGPT's train.py is 336
 # lesson: (lines allowed above the divider, why this lesson cannot be one screen)
+# (issue 50: the Gloo point-to-point refusal and can_write_in's call, written out in the lessons
+# when they left launch/dist_setup.py, raised pipeline_parallel, ring_attention, train_cp, train
+# and train_2d by 1 to 5 lines)
 LONGER = {
     "primitives/flight_recorder.py": (110, "the faults, the dump and the analyzer are the lesson"),
     "launch/fault_tolerant_ddp.py": (
@@ -38,12 +41,14 @@ LONGER = {
     "primitives/hello_distributed.py": (120, "the whole set-up by hand, torchrun and spawn paths"),
     "primitives/init_methods.py": (115, "four ways to form a group, each spelled out"),
     "transformer_basics/ring_attention.py": (
-        145,
+        146,
         "an autograd.Function: forward and backward ring",
     ),
-    "transformer_basics/train_cp.py": (125, "a GPT training script: dp x cp mesh, ring attention"),
+    "transformer_basics/train_cp.py": (129, "a GPT training script: dp x cp mesh, ring attention"),
     # + 2: helpers called by keyword (issue 40)
     "transformer_basics/train_moe.py": (122, "a GPT training script: MoE blocks, dp x ep mesh"),
+    # the timed training loop, which the lesson measures, came up from below the divider (issue 50)
+    "ddp_basics/benchmark_ddp.py": (102, "two syncs by hand, DDP, and the timed loop they run in"),
     "ddp_basics/ddp_checkpoint.py": (160, "save, load and the resumable job that uses them"),
     "ddp_basics/ddp_overlap.py": (110, "timing hooks on autograd and on DDP's buckets: the lesson"),
     # fsdp_basics/: the lessons that write a mechanism out by hand
@@ -53,20 +58,24 @@ LONGER = {
     ),
     "fsdp_basics/fsdp_memory_plan.py": (124, "the fake-group planner, the real step, activations"),
     "fsdp_basics/zero_by_hand.py": (121, "ZeRO-3 by hand: an autograd.Function and a module"),
-    "fsdp_basics/zero_redundancy_optimizer.py": (99, "training, consolidation, save and load"),
     "fsdp_basics/zero_stages.py": (111, "ZeRO-1 and 2 by hand: the flat buffer and its slices"),
-    # primitives/ (ring_all_reduce ... grad_through_collectives): one block
-    "primitives/ring_all_reduce.py": (83, "two algorithms, ring and tree, side by side"),
+    # a tool: the timed calls with their buffers, the timing and busbw (issue 50: the calls came up
+    # from below the divider)
+    "primitives/benchmark_collectives.py": (113, "buffers and calls of 7 ops, timing, busbw"),
+    # open_store, how the two jobs meet, came up from below the divider (issue 50)
+    "primitives/weight_sync_two_jobs.py": (
+        109,
+        "two jobs: a store on one address, a group, buckets",
+    ),
     "primitives/debug_server.py": (108, "the hang, the watchdog thread and the pages it reads"),
     "transformer_basics/benchmark.py": (130, "six ways to build one GPT and the timing loop"),
     "transformer_basics/composition.py": (125, "AC + compile + FSDP2, + DDP, and the other order"),
-    "transformer_basics/pipeline_parallel.py": (120, "stages, schedule, tied weights, step loop"),
-    "transformer_basics/pipeline_schedules.py": (95, "six schedules, 2 stages a rank, V's tie"),
+    "transformer_basics/pipeline_parallel.py": (125, "stages, schedule, tied weights, step loop"),
     "transformer_basics/tensor_parallel.py": (128, "block and model TP plans, SP, training loop"),
     # the training loop inline, as nanoGPT's train.py (issue 40): about 40 lines of the allowance;
     # the calls of the checks of a resume and of --async-save (issue 45): 5
-    "transformer_basics/train.py": (150, "a whole training script: data, loop, checkpoint"),
-    "transformer_basics/train_2d.py": (157, "train.py's loop on a 2-D mesh, TP, FSDP, 2-mesh clip"),
+    "transformer_basics/train.py": (152, "a whole training script: data, loop, checkpoint"),
+    "transformer_basics/train_2d.py": (159, "train.py's loop on a 2-D mesh, TP, FSDP, 2-mesh clip"),
 }
 
 

@@ -157,7 +157,6 @@ PRIMITIVES = [
         ],
         "wrong result of all_gather",
         args=("--ops", "all_reduce,all_gather", "--max-bytes", "4K"),
-        file="benchmark_calls.py",
     ),
     Mutation(  # the worker receives each bucket into a new tensor, not the one its parameters view
         "weight_sync-bucket-received-into-a-copy",

@@ -58,7 +58,12 @@ def loss_fn(logits, targets):
 
 def main(args, ctx):
     p, m, rank = ctx.world_size, args.microbatches, ctx.rank
-    ctx.require_point_to_point()  # stages exchange activations and gradients with send/recv
+    # stages exchange activations and gradients with send/recv, which Gloo does on CPU tensors
+    # only (docs: distributed.html#backends)
+    ctx.require(
+        ctx.backend != "gloo" or ctx.device.type == "cpu",
+        "point-to-point on gloo needs CPU tensors: use --backend nccl or --device cpu",
+    )
     ctx.require(
         args.n_layer >= p,
         f"--n-layer {args.n_layer} is fewer than the {p} stages: each stage needs a block",

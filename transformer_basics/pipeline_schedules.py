@@ -85,7 +85,12 @@ def train(name, tokens, args, ctx):
 
 
 def main(args, ctx):
-    ctx.require_point_to_point()  # the schedules send activations and gradients to neighbours
+    # the schedules send activations and gradients to neighbours, which Gloo does on CPU tensors
+    # only (docs: distributed.html#backends)
+    ctx.require(
+        ctx.backend != "gloo" or ctx.device.type == "cpu",
+        "point-to-point on gloo needs CPU tensors: use --backend nccl or --device cpu",
+    )
     names = list(SCHEDULES) if args.schedule == "all" else [args.schedule]
     tokens = data.encode(data.generate_corpus(2000))
     args = with_sizes(names, tokens, args, ctx)  # a copy: the default sizes filled in, checked

@@ -121,7 +121,11 @@ def main(args, ctx):
         args.seq % two_n == 0,
         f"--seq {args.seq} must divide into 2 x {ctx.world_size} chunks: use a multiple of {two_n}",
     )
-    ctx.require_point_to_point()
+    # Gloo's send and recv take CPU tensors only (docs: distributed.html#backends)
+    ctx.require(
+        ctx.backend != "gloo" or ctx.device.type == "cpu",
+        "point-to-point on gloo needs CPU tensors: use --backend nccl or --device cpu",
+    )
     mine = zigzag_positions(ctx.rank, ctx.world_size, args.seq)  # CPU: it indexes CPU tensors
     q_all, k_all, v_all, dout_all = inputs(args)  # the whole sequence, the same on every rank
 

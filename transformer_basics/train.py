@@ -18,6 +18,7 @@ run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for 
 Docs: https://pytorch.org/docs/stable/notes/ddp.html, .../distributed.fsdp.fully_shard.html
 """
 
+import os
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -47,7 +48,8 @@ def main(args, ctx):
     ctx.require(not args.resume or ckpt.exists(), f"--resume: no checkpoint at {ckpt}")
     ctx.require(args.save_every or not args.async_save, "--async-save needs --save-every N > 0")
     train_tokens, val_tokens = data.load_tokens(args.data, args.block_size, ctx)
-    ctx.require_writable_dir(out)  # makes it, after the refusals: a refused run writes nothing
+    # made here, after the refusals: a refused run writes nothing
+    ctx.require(can_write_in(out), f"cannot write to {out}: pass another --out")
     # Rank r reads the r-th disjoint share of every step's windows (like DistributedSampler).
     shard = dict(rank=ctx.rank, world_size=ctx.world_size, seed=args.seed)
     train_data = data.ShardedWindows(train_tokens, args.block_size, **shard)
@@ -149,6 +151,16 @@ def main(args, ctx):
 
 
 # ---- The lesson ends here. What follows is how it checks itself. ----
+
+
+def can_write_in(folder):
+    """Make folder if it is missing; True if this rank can write in it. Every rank asks: each
+    machine may have a disk of its own."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK)
 
 
 def parse_args(argv=None):

@@ -20,6 +20,7 @@ Docs: https://pytorch.org/tutorials/intermediate/TP_tutorial.html
 
 import argparse
 import copy
+import os
 from pathlib import Path
 
 import torch
@@ -54,7 +55,8 @@ def main(args, ctx):
     ckpt = out / "checkpoint"
     ctx.require(not args.resume or ckpt.exists(), f"--resume: no checkpoint at {ckpt}")
     train_tokens, val_tokens = data.load_tokens(args.data, args.block_size, ctx)
-    ctx.require_writable_dir(out)  # makes it, after the refusals: a refused run writes nothing
+    # made here, after the refusals: a refused run writes nothing
+    ctx.require(can_write_in(out), f"cannot write to {out}: pass another --out")
     dp = ctx.world_size // tp
     mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     # The ranks of one tp row read the same windows: the data is sharded by dp rank.
@@ -156,6 +158,16 @@ def clip_grad_norm_2d(model, max_norm):
 
 
 # ---- The lesson ends here. What follows is how it checks itself. ----
+
+
+def can_write_in(folder):
+    """Make folder if it is missing; True if this rank can write in it. Every rank asks: each
+    machine may have a disk of its own."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK)
 
 
 def parse_args(argv=None):

@@ -86,7 +86,12 @@ def main(args, ctx):
     dp, tokens = W // cp, data.encode(data.generate_corpus(2000))
     ctx.require(not (problem := data.check_tokens(tokens, T, None)), str(problem))
     if cp > 1:
-        ctx.require_point_to_point()  # the ring: batch_isend_irecv
+        # the ring: batch_isend_irecv, which Gloo does on CPU tensors only (docs:
+        # distributed.html#backends)
+        ctx.require(
+            ctx.backend != "gloo" or ctx.device.type == "cpu",
+            "point-to-point on gloo needs CPU tensors: use --backend nccl or --device cpu",
+        )
     torch.backends.cuda.matmul.fp32_precision = "ieee"  # never TF32 (the check's bound)
 
     mesh = init_device_mesh(ctx.device.type, (dp, cp), mesh_dim_names=("dp", "cp"))

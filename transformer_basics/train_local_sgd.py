@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import SGD, AdamW
 
 import data
-from launch.dist_setup import float_in, int_in, ints_in, lesson_parser, print0, run
+from launch.dist_setup import float_in, int_in, lesson_parser, print0, run
 from model import GPT, config_from_args
 
 
@@ -218,6 +218,17 @@ def check(runs, windows, val_tokens, args, ctx):
         f" at H=1, torch's = ours, DiLoCo = its replay with the outer step written out (max diff "
         f"{max(d for d, _ in off.values()):.1e}, tolerance {args.tol:g})"
     )
+
+
+def ints_in(low, high):
+    """An argparse type: a comma-separated list of integers, each in [low, high] (1,8,32)."""
+    one = int_in(low, high)
+
+    def parse(text):
+        return [one(part) for part in text.split(",")]
+
+    parse.__name__, parse.high = f"a comma-separated list of integers in [{low}, {high}]", high
+    return parse
 
 
 if __name__ == "__main__":

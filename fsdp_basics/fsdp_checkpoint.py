@@ -17,6 +17,7 @@ Docs: https://pytorch.org/docs/stable/distributed.checkpoint.html
 """
 
 import os
+import tempfile
 import shutil
 from pathlib import Path
 
@@ -143,13 +144,14 @@ def main(args, ctx):
 
 
 def can_write_in(folder):
-    """Make folder if it is missing; True if this rank can write in it. Every rank asks: each
-    machine may have a disk of its own."""
+    """Make folder if it is missing; True if this rank can create a file in it. Every rank
+    asks: each machine may have a disk of its own."""
     try:
         os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):  # os.access is no test: root passes it always
+            return True
     except OSError:
         return False
-    return os.access(folder, os.W_OK)
 
 
 def check_checkpoint_fits(path, model_sd, ctx):

@@ -18,6 +18,7 @@ Docs: https://pytorch.org/docs/stable/distributed.optim.html (ZeroRedundancyOpti
 """
 
 import os
+import tempfile
 import warnings
 
 import torch
@@ -102,13 +103,14 @@ def load(path, model, opt, args, ctx):
 
 
 def can_write_in(folder):
-    """Make folder if it is missing; True if this rank can write in it. Every rank asks: each
-    machine may have a disk of its own."""
+    """Make folder if it is missing; True if this rank can create a file in it. Every rank
+    asks: each machine may have a disk of its own."""
     try:
         os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):  # os.access is no test: root passes it always
+            return True
     except OSError:
         return False
-    return os.access(folder, os.W_OK)
 
 
 def check_checkpoint_fits(path, model, ctx):

@@ -21,6 +21,7 @@ Docs: https://pytorch.org/tutorials/intermediate/TP_tutorial.html
 import argparse
 import copy
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -161,13 +162,14 @@ def clip_grad_norm_2d(model, max_norm):
 
 
 def can_write_in(folder):
-    """Make folder if it is missing; True if this rank can write in it. Every rank asks: each
-    machine may have a disk of its own."""
+    """Make folder if it is missing; True if this rank can create a file in it. Every rank
+    asks: each machine may have a disk of its own."""
     try:
         os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):  # os.access is no test: root passes it always
+            return True
     except OSError:
         return False
-    return os.access(folder, os.W_OK)
 
 
 def parse_args(argv=None):

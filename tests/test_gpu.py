@@ -508,6 +508,27 @@ def any_warm(cases):
     return any(case.launcher in ("warm", "stages") for case in cases)
 
 
+def workers_for(gpus):
+    """One worker per run at a time: as many as the budgets were measured at on one GPU (fewer on
+    fewer cores), one with several GPUs."""
+    if gpus > 1:
+        return 1
+    return max(1, min(MEASURED_WORKERS, cores() * MEASURED_WORKERS // MEASURED_CORES))
+
+
+def fitting(cases, workers, seconds):
+    """The runs to start when `seconds` are left: all of them if their plan fits; else the
+    Gloo-with-CUDA crash's stages, then the shortest runs, as many as fit (tools/gpu_check.py)."""
+    if plan_seconds(cases, workers) <= seconds:
+        return cases
+    chosen = [case for case in cases if case.launcher == "stages"]
+    for case in sorted((c for c in cases if c.launcher != "stages"), key=lambda c: c.budget):
+        if plan_seconds([*chosen, case], workers) > seconds:
+            break
+        chosen.append(case)
+    return chosen
+
+
 def plan(config):
     """(workers, how they were chosen) for the chosen tiers on this node; workers None when the
     GPU tests do not run (no tier, no GPU)."""
@@ -516,7 +537,7 @@ def plan(config):
         return None, ""
     if gpus > 1:
         return 1, f"1 worker: each run takes up to {min(gpus, MAX_WORLD)} GPUs"
-    workers = max(1, min(MEASURED_WORKERS, cores() * MEASURED_WORKERS // MEASURED_CORES))
+    workers = workers_for(gpus)
     return workers, (
         f"{workers} worker(s) sharing the GPU, the load the budgets were measured at "
         f"({MEASURED_WORKERS} runs on {MEASURED_CORES} cores; {cores()} cores here)"

@@ -45,6 +45,7 @@ MIN_RUN_S = 1.0
 # At 2 to 8 GPUs (never run: the machine had one): a CUDA context per rank made at once and NCCL's
 # first communicator across the GPUs (bootstrap, topology, NVLink connections), reasoned
 MULTI_GPU_S = 2.0
+FLOOR = 1.5  # a derived budget's least limit, times what the run took as measured
 
 
 def _table(text):
@@ -285,7 +286,8 @@ def budget(run_id, launcher, gpus):
     "measured" (as it runs now), "derived" (measured under another launcher, less or plus what
     the launchers' start-ups cost, measured; never less than the lesson's own warm run on that
     GPU) or "unmeasured" (UNMEASURED, MULTI_GPU_S). floor: the least time limit it gets (where
-    the launcher now pays less: what it took as measured). run_id: "nccl-N-lesson",
+    the launcher now pays less: FLOOR x what it took as measured, so that it passes under the
+    launcher it was measured with too, WARM_LAUNCHER=0). run_id: "nccl-N-lesson",
     "gloo-2-lesson", "python-N-lesson" or "other-name"; a run at N GPUs takes its figure at one
     GPU (or, for a lesson of 2 ranks or more, its warm run's on Gloo with CUDA tensors)."""
     kind, _, rest = run_id.partition("-")
@@ -297,7 +299,7 @@ def budget(run_id, launcher, gpus):
     (seconds, source, then), floor = found[0], 0.0
     if then and then != launcher:
         if start_s(launcher, name) < start_s(then, name):
-            floor = seconds
+            floor = FLOOR * seconds
         seconds = seconds - start_s(then, name) + start_s(launcher, name)
         least = warm_run_s(name) if launcher == "warm" else None
         seconds = max(MIN_RUN_S, seconds, least or 0.0)

@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+import gpu_budgets
 from gpu_budgets import WARM_SERVER_S, budget
 from harness import assert_fails, assert_ok, free_port, run_command, run_lesson
 
@@ -274,7 +275,7 @@ class Case:
     needs_gpus: int = 1
     memory_gib: int = 0  # per GPU (--gpu-scale)
     source: str = "measured"  # of the budget: measured, derived, unmeasured (gpu_budgets.budget)
-    floor: float = 0.0  # the least time limit (a derived budget: the measured run's seconds)
+    floor: float = 0.0  # the least time limit (a derived budget: from the measured run's)
 
     @property
     def limit(self):
@@ -562,8 +563,9 @@ def collection_report(config):
             f"GPU tier {opt}: {n} runs at {gpus} GPU(s), {seconds / 60:.1f} min one after another "
             f"(per-run budgets: {sources['measured']} measured on an H200, {sources['derived']} "
             f"derived from a measurement, {n - sum(sources.values())} not measured; "
-            f"tests/gpu_budgets.py; limit per run {SLACK}x its budget, at least what a derived "
-            "one took as measured)" + (f"; {skip} of them need more GPUs and skip" if skip else "")
+            f"tests/gpu_budgets.py; limit per run {SLACK}x its budget, at least "
+            f"{gpu_budgets.FLOOR:g}x what a derived one took as measured)"
+            + (f"; {skip} of them need more GPUs and skip" if skip else "")
         )
     if workers:
         if chosen != workers:

@@ -51,7 +51,8 @@ def test_node_check_fits_5_minutes_on_one_gpu(monkeypatch):
 def test_every_budget_comes_from_a_measurement_where_there_is_one():
     """A run measured as it now runs has that figure; a run measured under another launcher has
     the figure less or plus the imports that launcher pays (measured), never less than the
-    lesson's own warm run on that GPU, and a limit of at least what it took as measured; the rest
+    lesson's own warm run on that GPU, and a limit of at least 1.5x what it took as measured
+    (it passes under torchrun too, WARM_LAUNCHER=0); the rest
     are named in gpu_budgets.UNMEASURED."""
     measured = gpu_budgets.RUN_5 | gpu_budgets.RUN_8
     for case in gpu.node_check(1):
@@ -61,7 +62,7 @@ def test_every_budget_comes_from_a_measurement_where_there_is_one():
         elif case.source == "derived":
             assert case.id in measured or case.id.startswith("other-"), case
             assert case.floor >= case.budget >= gpu_budgets.MIN_RUN_S, case
-            assert case.limit >= measured.get(case.id, (0.0,))[0], case
+            assert case.limit >= gpu_budgets.FLOOR * measured.get(case.id, (0.0,))[0], case
         else:
             assert case.source == "unmeasured", case
             assert case.id in gpu_budgets.UNMEASURED or case.id == "other-dist_device_cuda", case

@@ -23,7 +23,8 @@ The stages (each prints its tensors' addresses, then "stage S ok" if its result 
 On SIGSEGV each rank prints, before it dies, the crashing thread's native frames (glibc's
 backtrace: the library and symbol or offset of each frame) and the faulting address, named if it
 falls inside one of the stage's tensors (a host copy from device memory), then faulthandler prints
-the Python stack of every thread. tests/test_gpu.py runs the stages in the node check
+the Python stack of every thread. On CUDA a watchdog (faulthandler's) ends a rank still in its
+stage 5 s after the call, with every thread's Python stack, should the native report hang. tests/test_gpu.py runs the stages in the node check
 (other-gloo_cuda_crash) and reports the frame; tests/test_gpu_tiers.py runs them on the CPU.
 """
 
@@ -41,6 +42,10 @@ import torch.distributed as dist
 STAGES = ("all_gather_into_tensor", "funcol_cpu", "funcol_all_gather", "dtensor_full_tensor")
 CONTROLS = STAGES[:2]  # must work wherever the script runs
 SELFTEST = "selftest_native_crash"
+# On CUDA: faulthandler's watchdog dumps every thread's Python stack and ends the rank if a stage
+# is not done this many seconds after its call (its collectives take milliseconds): a crash whose
+# native report cannot run (its handler needs the GIL) still shows where the rank stood
+WATCHDOG_S = 5
 TENSORS = []  # (name, first byte, end) of the stage's tensors, read by the SIGSEGV handler
 _keep = []  # the handler and the old action, alive for the life of the process
 
@@ -133,6 +138,8 @@ def run_stage(stage, device, rank, world):
     full = torch.arange(4.0 * world, device=device)
     mine = track("input", full[4 * rank : 4 * rank + 4].clone())
     say(f"stage {stage}: calling")
+    if device.type == "cuda":  # should the SIGSEGV handler wait for a GIL that never comes
+        faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
     if stage == "all_gather_into_tensor":
         out = track("output", torch.empty(4 * world, device=device))
         dist.all_gather_into_tensor(out, mine)
@@ -157,6 +164,7 @@ def run_stage(stage, device, rank, world):
         torch.cuda.synchronize(device)
     if not torch.equal(out.cpu(), full.cpu()):
         raise SystemExit(f"stage {stage}: gathered {out.tolist()}, expected {full.tolist()}")
+    faulthandler.cancel_dump_traceback_later()
     say(f"stage {stage} ok: {out.tolist()}")
 
 
@@ -191,6 +199,10 @@ def read(stage, result):
     if result.returncode == 0 and text.count(f"stage {stage} ok") == 2:
         return "ok", f"{stage}: ok"
     codes = result.rank_codes or []
+    python = [line.strip() for line in text.splitlines() if line.strip().startswith("File ")]
+    if "Timeout (0:" in text and -11 not in codes:  # faulthandler's watchdog
+        where = python[0] if python else "no Python frame printed"
+        return "failed", f"{stage}: the watchdog ended a hung rank, ranks {codes}; Python: {where}"
     if -11 not in codes and "Segmentation fault" not in text:
         state = "timed out" if result.timed_out else f"exit code {result.returncode} {codes}"
         return "failed", f"{stage}: {state}"
@@ -200,7 +212,6 @@ def read(stage, result):
     frames = (
         [line.strip() for line in lines[after + 1 :] if "[0x" in line] if after is not None else []
     )
-    python = [line.strip() for line in lines if line.strip().startswith("File ")]
     summary = f"{stage}: ranks {codes}; " + "; ".join(native[:2] or ["no native report"])
     if frames:
         summary += "; native frames: " + " < ".join(frames[:4])

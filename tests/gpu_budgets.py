@@ -220,8 +220,9 @@ UNMEASURED = {
     # analysis that 2.13 completes comes on top (reasoned)
     "other-flight_recorder": 40.0,
     # tests/gloo_cuda_crash.py's 4 stages, each a warm run of 2 ranks on Gloo with CUDA tensors:
-    # RUN_8's gloo-2 runs that crashed took 0.5-1.4 s, its plain collectives 0.9-1.9 s: 2 s each
-    "other-gloo_cuda_crash": 8.0,
+    # RUN_8's gloo-2 runs that crashed took 0.5-1.4 s, its plain collectives 0.9-1.9 s: 3 s each,
+    # so that each stage's limit (a quarter of 3 x 12 s) holds the script's 5 s watchdog
+    "other-gloo_cuda_crash": 12.0,
     # never run on a GPU: 8.9 s on a 2-core CPU at load 6 (torch 2.13.0+cpu, 2026-11-28), of which
     # two torch imports (about 1 s each there, 4.0 s each on the H200): 15 s (reasoned)
     "other-fault_tolerant_ddp": 15.0,

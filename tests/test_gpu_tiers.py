@@ -252,3 +252,23 @@ def test_the_crash_stages_run_on_cpu_and_a_native_crash_is_named(tmp_path):
     assert "native frames: " in summary and "libc.so" in summary, summary
     assert "in crash_in_a_native_thread" in summary, summary
     assert "Fatal Python error: Segmentation fault" in result.stderr, result
+
+
+def test_a_stage_is_read_as_ok_crashed_or_hung():
+    """gloo_cuda_crash.read on outputs as the stages print them: both ranks' OK lines; a SIGSEGV
+    with faulthandler's stack but no native report; the watchdog's dump of a hung rank."""
+    from harness import Result
+
+    def result(out, err, code, codes):
+        return Result(["x"], code, out, err, False, codes)
+
+    ok = "".join(f"[rank {r}] stage funcol_cpu ok: [0.0]\n" for r in range(2))
+    assert crash.read("funcol_cpu", result(ok, "", 0, [0, 0]))[0] == "ok"
+    stack = '  File "/x/_functional_collectives.py", line 138 in wait_tensor\n'
+    verdict, summary = crash.read("funcol_all_gather", result(
+        "", f"Fatal Python error: Segmentation fault\n\n{stack}", 1, [-11, -15]))  # fmt: skip
+    assert verdict == "crashed" and "no native report" in summary, summary
+    assert "line 138 in wait_tensor" in summary, summary
+    hung = f"Timeout (0:00:05)!\nThread 0x1 (most recent call first):\n{stack}"
+    verdict, summary = crash.read("dtensor_full_tensor", result("", hung, 1, [1, 1]))
+    assert verdict == "failed" and "the watchdog ended a hung rank" in summary, summary

@@ -24,8 +24,9 @@ On SIGSEGV each rank prints, before it dies, the crashing thread's native frames
 backtrace: the library and symbol or offset of each frame) and the faulting address, named if it
 falls inside one of the stage's tensors (a host copy from device memory), then faulthandler prints
 the Python stack of every thread. On CUDA a watchdog (faulthandler's) ends a rank still in its
-stage 5 s after the call, with every thread's Python stack, should the native report hang. tests/test_gpu.py runs the stages in the node check
-(other-gloo_cuda_crash) and reports the frame; tests/test_gpu_tiers.py runs them on the CPU.
+stage 5 s after the call, with every thread's Python stack, should the native report hang.
+tests/test_gpu.py runs the stages in the node check (other-gloo_cuda_crash) and reports the frame;
+tests/test_gpu_tiers.py runs them on the CPU.
 """
 
 import argparse

@@ -31,11 +31,50 @@ def pytest_sessionstart(session):
 def pytest_addoption(parser):
     # The GPU tiers of tests/test_gpu.py (see its docstring and CONTRIBUTING.md)
     for name, what in (
-        ("--gpu", "the node check: every lesson on NCCL at the node's GPUs and at 2, under 15 min"),
+        ("--gpu", "the node check: every lesson on NCCL at the node's GPUs and at 2 (minutes)"),
         ("--gpu-full", "every lesson at every world size up to the GPUs, every Gloo-on-CUDA case"),
         ("--gpu-scale", "the GPU-scale commands the READMEs advertise (memory and time stated)"),
     ):
         parser.addoption(name, action="store_true", help=f"GPU mode, tests/test_gpu.py: {what}")
+    parser.addoption(
+        "--gpu-runs",
+        metavar="FILE",
+        help="GPU mode: write each run's id, status, seconds and last output line to FILE (TSV)",
+    )
+
+
+GPU_RUNS = []  # the --gpu-runs file, in the process that receives the reports (not an xdist worker)
+
+
+def pytest_configure(config):
+    if config.getoption("--gpu-runs") and not hasattr(config, "workerinput"):
+        GPU_RUNS.append(config.getoption("--gpu-runs"))
+        with open(GPU_RUNS[0], "w") as f:
+            f.write("id\tstatus\tseconds\trun_s\tlast\n")
+
+
+def pytest_runtest_logreport(report):
+    """--gpu-runs: one line per GPU run, written where the reports arrive (with pytest-xdist, the
+    controller): id, status, seconds of the test, seconds of its runs (a warm server's start left
+    out), and its last line (a failure's on stdout and stderr, an expected failure's reason)."""
+    if not GPU_RUNS or "test_gpu.py::test_gpu[" not in report.nodeid:
+        return
+    if report.when != "call" and not (report.when == "setup" and report.outcome != "passed"):
+        return
+    props = dict(report.user_properties)
+    status = "xfailed" if hasattr(report, "wasxfail") else report.outcome
+    if status == "xfailed":
+        last = report.wasxfail
+    elif status == "skipped":
+        last = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    else:  # a failure: how far it got on both streams
+        last = "; ".join(
+            props.get(name, "") for name in ("stdout", "stderr")[: 1 + (status == "failed")]
+        )
+    case = report.nodeid.split("[", 1)[1].rstrip("]")
+    fields = [case, status, f"{report.duration:.1f}", props.get("run_s", ""), last]
+    with open(GPU_RUNS[0], "a") as f:
+        f.write("\t".join(" ".join(str(x).split()) for x in fields) + "\n")
 
 
 def _workers_asked(config):

@@ -41,13 +41,24 @@ class Result:
     stderr: str
     timed_out: bool
     rank_codes: list = None  # exit code of each rank (launcher="warm" only)
+    seconds: float = None  # wall time of the run
 
     @property
     def output(self):
         return self.stdout + self.stderr
 
+    def last_lines(self):
+        """The last non-empty line of stdout and of stderr: how far a run got."""
+        return [
+            f"last {name} line: {lines[-1][:300]!r}" if lines else f"nothing on {name}"
+            for name, text in (("stdout", self.stdout), ("stderr", self.stderr))
+            for lines in [[line for line in text.splitlines() if line.strip()]]
+        ]
+
     def __str__(self):
         state = "TIMED OUT" if self.timed_out else f"exit code {self.returncode}"
+        if self.timed_out and self.seconds is not None:  # how far it got, before the output
+            state += f" after {self.seconds:.1f} s; " + "; ".join(self.last_lines())
         if self.rank_codes is not None:
             state += f", ranks exited with {self.rank_codes}"
         return (
@@ -216,6 +227,7 @@ def run_command(command, timeout=120, env=None, cwd=ROOT):
             proc.wait()
             out, err = "", "(the output pipes stayed open after the kill: output lost)\n"
         timed_out = True
+    seconds = time.monotonic() - start
     # the CPU logged: of the processes this call waited for
     log_launch(
         "python"
@@ -224,10 +236,10 @@ def run_command(command, timeout=120, env=None, cwd=ROOT):
         if "torch.distributed.run" in map(str, command)
         else "other",
         command,
-        time.monotonic() - start,
+        seconds,
         _children_cpu_s() - cpu,
     )
-    return Result([str(c) for c in command], proc.returncode, out, err, timed_out)
+    return Result([str(c) for c in command], proc.returncode, out, err, timed_out, seconds=seconds)
 
 
 def torchrun_command(lesson, nproc, args=()):
@@ -258,6 +270,8 @@ def run_lesson(lesson, *args, nproc=2, launcher="torchrun", timeout=120, env=Non
                 ROOT / lesson, args, nproc=nproc, env=lesson_env(env), cwd=ROOT, timeout=timeout
             )
         )
+        # the run's own seconds: a server start (once per pytest process) is not the run's
+        result.seconds = time.monotonic() - start - warm_launcher.last_server_s
         # the CPU logged: the ranks' (the warm launcher counts it)
         log_launch(
             "warm",

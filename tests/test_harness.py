@@ -160,6 +160,11 @@ def test_hanging_run_is_killed_at_timeout_with_every_process(tmp_path):
     result = run_lesson(path, nproc=2, launcher="warm", timeout=8)
     assert result.timed_out and result.returncode != 0, result
     assert time.monotonic() - start < 40, result
+    # the report says how far the run got: its seconds (the server's start not counted) and last
+    # lines, first
+    state = str(result).splitlines()[1]
+    assert 8 <= result.seconds < 20 and f"TIMED OUT after {result.seconds:.1f} s" in state, state
+    assert "last stdout line: 'pids " in state and "nothing on stderr" in state, state
     lines = [
         list(map(int, line.split()[1:]))
         for line in result.stdout.splitlines()

@@ -511,6 +511,7 @@ def _text(chunks):
 
 
 last_cpu_s = None  # CPU seconds (user + system) of the last run's ranks, for measurements
+last_server_s = 0.0  # seconds the last run waited for a server to start (0.0: one was running)
 _servers = {}  # start-up variables -> Server
 _lock = threading.Lock()
 
@@ -538,6 +539,8 @@ def run(script, args=(), nproc=2, env=None, cwd=None, timeout=120):
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
     key = _startup_key(env)
+    global last_server_s
+    last_server_s = 0.0
     with _lock:
         for attempt in range(2):
             server = _servers.pop(key, None)
@@ -546,6 +549,7 @@ def run(script, args=(), nproc=2, env=None, cwd=None, timeout=120):
                     _servers.pop(next(iter(_servers))).close()
                 started = time.monotonic()
                 server = Server(env, cwd)
+                last_server_s = time.monotonic() - started
                 # to count server starts (each imports PRELOAD)
                 if os.environ.get("TEST_LAUNCH_LOG"):
                     settings = " ".join(f"{k}={v}" for k, v in key)

@@ -25,7 +25,6 @@ Docs: https://pytorch.org/tutorials/intermediate/ddp_tutorial.html#save-and-load
 
 import hashlib
 import os
-import tempfile
 import sys
 import time
 
@@ -162,10 +161,12 @@ def main(args, ctx):
 def can_write_in(folder):
     """Make folder if it is missing; True if this rank can create a file in it. Every rank
     asks: each machine may have a disk of its own."""
-    try:
+    probe = os.path.join(folder, f".write_test_{os.getpid()}")
+    try:  # a file made and removed: os.access is no test, it allows everything to root
         os.makedirs(folder, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):  # os.access is no test: root passes it always
-            return True
+        os.close(os.open(probe, os.O_CREAT | os.O_WRONLY))
+        os.remove(probe)
+        return True
     except OSError:
         return False
 

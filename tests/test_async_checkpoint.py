@@ -45,8 +45,8 @@ ARGS = (
 # stops after its shards and before its .metadata, waits up to 6 s (for a checkpoint.tmp that a
 # wrong lesson renames while it is written: two steps later), and the process is killed.
 CRASH = (
-    "from rng_state import rng_states, saved_rng_slots, set_rng_states\n",
-    """from rng_state import rng_states, saved_rng_slots, set_rng_states
+    "from launch.dist_setup import print0\n",
+    """from launch.dist_setup import print0
 
 _finish, _writes = dcp.FileSystemWriter.finish, []
 

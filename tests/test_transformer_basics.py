@@ -21,7 +21,6 @@ sys.path.insert(0, str(ROOT / "transformer_basics"))
 import checkpointing  # noqa: E402
 import data  # noqa: E402
 import generate  # noqa: E402
-import rng_state  # noqa: E402
 from launch.dist_setup import UsageError  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -178,11 +177,11 @@ def test_rng_restore_tolerates_a_missing_or_extra_device_state(capsys):
     cpu_state = torch.get_rng_state()
     # Written on the CPU, resumed on a GPU: no rng_cuda in the checkpoint (CUDA is never touched:
     # the state is missing, so this runs on a machine without a GPU too). It used to raise KeyError.
-    rng_state.set_rng_states({"rng": cpu_state}, torch.device("cuda"))
+    checkpointing.set_rng_states({"rng": cpu_state}, torch.device("cuda"))
     assert "the checkpoint has no rng_cuda" in capsys.readouterr().out
     # Written on a GPU, resumed on the CPU: rng_cuda is there but of no use.
     torch.manual_seed(123)
-    rng_state.set_rng_states(
+    checkpointing.set_rng_states(
         {"rng": cpu_state, "rng_cuda": torch.zeros(16, dtype=torch.uint8)}, torch.device("cpu")
     )
     assert "rng_cuda in the checkpoint not restored" in capsys.readouterr().out

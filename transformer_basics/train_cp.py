@@ -33,7 +33,6 @@ from torch.profiler import ProfilerActivity, profile
 
 import data
 from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_order, run
-from measuring import activation_bytes
 from model import GPT, add_model_args, config_from_args
 from ring_attention import RingAttention, zigzag_positions
 
@@ -213,6 +212,30 @@ def check_against_one_process(start, gpt, losses, tokens, args, ctx):
         "(dp x cp) mesh, ring attention in every block: losses and parameters equal one "
         "process's on the global batch"
     )
+
+
+def activation_bytes(model, idx, pos, device):
+    """The forward and loss of model(x, positions) (train_cp.py's GPTWithPositions) on idx at pos:
+    the bytes of the tensors autograd saves for backward, each storage once, parameters left out
+    (pack sees every one, save_for_backward's too: torch/autograd/graph.py); on CUDA also the peak
+    of max_memory_allocated."""
+    x, y = (t[:, pos].to(device) for t in (idx[:, :-1], idx[:, 1:]))
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen, cuda = {}, device.type == "cuda"
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device) if cuda else 0
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = F.cross_entropy(model(x, pos.to(device)).flatten(0, 1), y.flatten())
+    peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
+    del loss  # held until here: no saved storage was freed, and its address reused, while counting
+    return sum(seen.values()), peak
 
 
 if __name__ == "__main__":

@@ -128,12 +128,12 @@ def test_every_lesson_copied_out_imports_only_its_copy(python, tmp_path):
 
 @pytest.mark.quick
 def test_a_helper_that_imports_the_repository_is_caught(python, tmp_path):
-    """The mutation: training.py reaches for a launch module that the reader did not copy."""
+    """The mutation: checkpointing.py reaches for a launch module that the reader did not copy."""
     copy = copy_out("transformer_basics/train.py", tmp_path / "train").parent
-    helper = copy / "training.py"
+    helper = copy / "checkpointing.py"
     helper.write_text("import launch.local_ranks  # noqa\n" + helper.read_text())
     problems = check_copies(python, [copy], tmp_path)[str(copy)]
-    assert any("training.py: `import launch.local_ranks` finds nothing" in p for p in problems)
+    assert any("checkpointing.py: `import launch.local_ranks` finds nothing" in p for p in problems)
     assert any(p.startswith("--help: exit") for p in problems), problems
 
 

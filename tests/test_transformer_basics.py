@@ -163,7 +163,7 @@ def test_ddp_check_fails_when_the_gradients_are_never_synced(tmp_path):
 def test_resume_check_fails_when_the_optimizer_state_is_not_restored(whole_run, tmp_path):
     """A copy whose resume loads the model but not the optimizer (AdamW would start again from
     zero moments, and the loss alone barely shows it): the lesson's check of the resume
-    (train_checks.check_resumed) compares the optimizer state with the checkpoint's and stops."""
+    (train.py's check_resumed) compares the optimizer state with the checkpoint's and stops."""
     shutil.copytree(whole_run("ddp")[1], tmp_path / "out")
     load = '        optimizer.load_state_dict(state["optimizer"])\n'
     copy = mutant(tmp_path, TRAIN, (load, "        pass\n"), file="checkpointing.py")

@@ -46,7 +46,7 @@ from tqdm import tqdm
 
 import data
 from launch.dist_setup import float_in, int_in, lesson_parser, print0, run
-from model import GPT, add_model_args, config_from_args
+from model import GPT, config_from_args
 from tensor_parallel import apply_tensor_parallel
 
 MODES = ["none", "ddp", "ddp+", "fsdp", "fsdp+", "tp"]
@@ -252,5 +252,12 @@ if __name__ == "__main__":
         "--tol", type=float_in(0, 1), default=1e-3, help="largest loss spread between the modes"
     )
     # tp: 24 heads split 1, 2, 3, 4, 6, 8 ways
-    add_model_args(parser, n_layer=4, n_head=24, n_embd=192, block_size=128)
+    # the GPT of model.py
+    parser.add_argument("--n-layer", type=int_in(1, 256), default=4)
+    parser.add_argument("--n-head", type=int_in(1, 1024), default=24)
+    parser.add_argument("--n-embd", type=int_in(1, 65_536), default=192)
+    parser.add_argument(
+        "--block-size", type=int_in(1, 1_048_576), default=128, help="context length"
+    )
+    parser.add_argument("--dropout", type=float_in(0, 0.9), default=0.0)
     run(main, parser.parse_args())

@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_order, run
-from model import GPT, add_model_args, config_from_args
+from model import GPT, config_from_args
 
 
 class Checkpointed(nn.Module):
@@ -303,7 +303,14 @@ if __name__ == "__main__":
         default=1.0,
         help="DDP's buckets (1: this model fills two)",
     )
-    add_model_args(parser, n_layer=2, n_embd=128, block_size=32)
+    # the GPT of model.py
+    parser.add_argument("--n-layer", type=int_in(1, 256), default=2)
+    parser.add_argument("--n-head", type=int_in(1, 1024), default=4)
+    parser.add_argument("--n-embd", type=int_in(1, 65_536), default=128)
+    parser.add_argument(
+        "--block-size", type=int_in(1, 1_048_576), default=32, help="context length"
+    )
+    parser.add_argument("--dropout", type=float_in(0, 0.9), default=0.0)
     # The first forward and backward compile, on each rank by itself (inductor on CUDA: minutes
     # with a cold cache and 8 ranks compiling at once), while the ranks that finished first wait
     # in FSDP2's first all-gather or DDP's first all-reduce. A collective that waits longer than

@@ -31,7 +31,7 @@ from torch.distributed.pipelining import PipelineStage, schedules
 
 import data
 from launch.dist_setup import float_in, int_in, lesson_parser, print0, run
-from model import GPT, add_model_args, config_from_args
+from model import GPT, config_from_args
 from pipeline_parallel import cut_stage, loss_fn
 
 SCHEDULES = {  # name: (class, stages per rank, layout of the stages over the ranks)
@@ -261,5 +261,12 @@ if __name__ == "__main__":
     parser.add_argument("--tol", type=float_in(0, 1), default=2e-5, help="see check_step")
     parser.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
     # 16 blocks: 2 stages on each of up to 8 ranks; narrow, so that a run takes seconds
-    add_model_args(parser, n_layer=16, n_embd=32, n_head=2, block_size=16)
+    # the GPT of model.py
+    parser.add_argument("--n-layer", type=int_in(1, 256), default=16)
+    parser.add_argument("--n-head", type=int_in(1, 1024), default=2)
+    parser.add_argument("--n-embd", type=int_in(1, 65_536), default=32)
+    parser.add_argument(
+        "--block-size", type=int_in(1, 1_048_576), default=16, help="context length"
+    )
+    parser.add_argument("--dropout", type=float_in(0, 0.9), default=0.0)
     run(main, parser.parse_args())

@@ -38,7 +38,7 @@ from torch.profiler import ProfilerActivity, profile
 import data
 from expert_parallel import dispatch_to_experts
 from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_order, run
-from model import GPT, add_model_args, config_from_args
+from model import GPT, config_from_args
 
 
 class MoE(nn.Module):
@@ -251,5 +251,12 @@ if __name__ == "__main__":
         help="largest difference accepted (float32, see the check)",
     )
     parser.add_argument("--seed", type=int_in(0, 2**31 - 1), default=0)
-    add_model_args(parser, n_layer=2, n_head=2, n_embd=32, block_size=32)
+    # the GPT of model.py
+    parser.add_argument("--n-layer", type=int_in(1, 256), default=2)
+    parser.add_argument("--n-head", type=int_in(1, 1024), default=2)
+    parser.add_argument("--n-embd", type=int_in(1, 65_536), default=32)
+    parser.add_argument(
+        "--block-size", type=int_in(1, 1_048_576), default=32, help="context length"
+    )
+    parser.add_argument("--dropout", type=float_in(0, 0.9), default=0.0)
     run(main, parser.parse_args())

@@ -229,24 +229,30 @@ class Progress:
         self.t_log = now
 
     def summary(self, label, val, flops_per_token, bf16):
-        """Throughput and MFU of the timed steps; the train and val losses, first and last."""
+        """Throughput and MFU of the timed steps; the train and val losses, first and last; then
+        --profile's files."""
         tok_s = self.tokens_per_step / self.step_time
         (_, first), (_, final) = self.losses[0], self.losses[-1]
+        cuda = self.ctx.device.type == "cuda"
+        peak = torch.cuda.max_memory_allocated(self.ctx.device) / 2**30 if cuda else 0
         print0(
             f"summary: {label}, {len(self.steps)} steps, {tok_s:,.0f} tokens/s, "
             f"{self.step_time * 1e3:.1f} ms/step, MFU {mfu(flops_per_token * tok_s, self.ctx)}, "
             f"train loss {first:.3f} -> {final:.3f}, val loss {val[0]:.3f} -> {val[1]:.3f}, "
             f"bf16 {'on' if bf16 else 'off'}"
+            + (f", peak CUDA memory {peak:.1f} GiB" if cuda else "")
         )
+        if self.profiled and self.profiler:
+            times = (self.wall_s, self.host_s, self.step_time)
+            write_profile(self.profiler, self.profiled, times, self.folder / "profile", self.ctx)
 
     def profile(self, step):
         """A step under torch.profiler on rank 0; on every rank it ends with a synchronize, so
         that the time the host takes to issue it is measured alone."""
         if step == self.profiled.start:
             kinds = [torch.profiler.ProfilerActivity.CPU]
-            kinds += (
-                [torch.profiler.ProfilerActivity.CUDA] if self.ctx.device.type == "cuda" else []
-            )
+            if self.ctx.device.type == "cuda":
+                kinds.append(torch.profiler.ProfilerActivity.CUDA)
             self.profiler = torch.profiler.profile(activities=kinds) if self.ctx.rank == 0 else None
             self.host_s, self.t_profile = 0.0, time.perf_counter()
             if self.profiler:
@@ -257,8 +263,7 @@ class Progress:
         self.sync()
         if step == self.profiled[-1] and self.profiler:
             self.profiler.stop()
-            wall_s = time.perf_counter() - self.t_profile
-            write_profile(self.profiler, self.profiled, wall_s, self.host_s, self.folder, self.ctx)
+            self.wall_s = time.perf_counter() - self.t_profile
 
 
 # Dense bf16 peak FLOP/s (NVIDIA's data sheets, without sparsity), for MFU; the first name found in
@@ -277,14 +282,15 @@ def mfu(flops_per_s, ctx):
     return f"{share:.1%} of {name} bf16 dense peak {peak / 1e12:,.0f} TFLOP/s (data sheet)"
 
 
-def write_profile(prof, steps, wall_s, host_s, folder, ctx):
-    """--profile: OUT/profile/trace.json, and summary.txt: per step the wall, host and data
-    (data.batch) time, the GPU's busy share; the top kernels by GPU time (a CPU: ops, self time)."""
-    folder = folder / "profile"
+def write_profile(prof, steps, times, folder, ctx):
+    """--profile: OUT/profile/trace.json, and summary.txt: per step the host's time to issue it
+    and its data time (data.batch); the GPU's kernel time against the steps' (the timed ones ran
+    without a synchronize per step); the top kernels by GPU time (on a CPU: ops by self time)."""
+    (wall_s, host_s, step_s), n = times, len(steps)
     folder.mkdir(exist_ok=True)
     prof.export_chrome_trace(str(folder / "trace.json"))
-    n, events = len(steps), prof.events()
-    kernels = [e for e in events if e.device_type != DeviceType.CPU]
+    events = prof.events()
+    kernels = [e for e in events if e.device_type != DeviceType.CPU and not e.is_user_annotation]
     busy_us, end = 0, 0
     for a, b in sorted((e.time_range.start, e.time_range.end) for e in kernels):
         busy_us, end = busy_us + max(0, b - max(a, end)), max(end, b)  # streams may overlap
@@ -292,19 +298,20 @@ def write_profile(prof, steps, wall_s, host_s, folder, ctx):
     top = {}
     for e in kernels or events:
         us, calls = top.get(e.name, (0, 0))
-        top[e.name] = (
-            us + (e.time_range.elapsed_us() if kernels else e.self_cpu_time_total),
-            calls + 1,
-        )
-    on = torch.cuda.get_device_name(ctx.device) if kernels else "the CPU"
+        took = e.time_range.elapsed_us() if kernels else e.self_cpu_time_total
+        top[e.name] = (us + took, calls + 1)
+    busy_ms = busy_us / n / 1e3
     lines = [
-        f"steps {steps.start}..{steps[-1]} on {on}, rank 0, each step synchronized at its end",
-        f"wall {wall_s / n * 1e3:.1f} ms/step; host {host_s / n * 1e3:.1f} ms/step (before the "
-        f"synchronize); data {data_us / n / 1e3:.2f} ms/step (data.batch)",
-        f"GPU busy {busy_us / 1e6 / wall_s:.1%} of the wall time, {len(kernels) / n:,.0f} "
-        "kernels/step"
+        f"steps {steps.start}..{steps[-1]}, rank 0, on {torch.cuda.get_device_name(ctx.device)}"
         if kernels
-        else "GPU busy: no GPU",
+        else f"steps {steps.start}..{steps[-1]}, rank 0, on the CPU",
+        f"host: {host_s / n * 1e3:.1f} ms to issue a step (each profiled step synchronized at its "
+        f"end), of which data {data_us / n / 1e3:.2f} ms (data.batch)",
+        f"GPU: kernels {busy_ms:.1f} ms per step, {len(kernels) / n:,.0f} of them; busy "
+        f"{busy_ms / (step_s * 1e3):.1%} of the timed steps' {step_s * 1e3:.1f} ms, "
+        f"{busy_ms / (wall_s / n * 1e3):.1%} of the profiled steps' {wall_s / n * 1e3:.1f} ms"
+        if kernels
+        else "GPU: none",
         f"top {'kernels by GPU' if kernels else 'ops by self CPU'} time; per step: ms, calls, name",
     ]
     for name, (us, calls) in sorted(top.items(), key=lambda item: -item[1][0])[:25]:

@@ -46,6 +46,7 @@ ARGS = (
 CRASH = (
     "from launch.dist_setup import print0\n",
     """from launch.dist_setup import print0
+import time
 
 _finish, _writes = dcp.FileSystemWriter.finish, []
 

@@ -1,7 +1,7 @@
 """train.py --async-save: checkpoints written by DCP's async_save while training goes on.
 
 Three checks, each shown failing by a source mutation of checkpointing.py (1 and 3 are also the
-lesson's own, train_checks.py: shown failing here too):
+lesson's own, below train.py's divider: shown failing here too):
 1. the asynchronous checkpoint of step S is the state of step S, bit for bit, equal to a
    synchronous one of the same step, although the weights change while it is written (in this
    process: the write is held until the next optimizer step is done);
@@ -28,7 +28,6 @@ from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(ROOT / "transformer_basics"))
 import checkpointing  # noqa: E402
-import training  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 TIMEOUT = 240
@@ -45,8 +44,9 @@ ARGS = (
 # stops after its shards and before its .metadata, waits up to 6 s (for a checkpoint.tmp that a
 # wrong lesson renames while it is written: two steps later), and the process is killed.
 CRASH = (
-    "from rng_state import rng_states, saved_rng_slots, set_rng_states\n",
-    """from rng_state import rng_states, saved_rng_slots, set_rng_states
+    "from launch.dist_setup import print0\n",
+    """from launch.dist_setup import print0
+import time
 
 _finish, _writes = dcp.FileSystemWriter.finish, []
 
@@ -136,8 +136,8 @@ def staged_checkpoint_equals_synchronous(module, tmp_path, monkeypatch):
     trained; True if both hold the same values, to the bit."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32, dropout=0.1))
-    args = SimpleNamespace(lr=1e-2, min_lr=1e-3, weight_decay=0.1, warmup=1, steps=10)
-    optimizer, scheduler = training.make_optimizer(model, args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
     ctx = SimpleNamespace(rank=0, device=torch.device("cpu"))
     x = torch.randint(0, 256, (2, 16))
 
@@ -215,7 +215,7 @@ def test_crash_during_async_save_keeps_the_previous_checkpoint(tmp_path):
     assert "resumed at step 2" in resumed.stdout, resumed
     assert same_model(tmp_path / "whole" / "model.pt", out / "model.pt")
     # A copy that restores all but the RNG state (dropout would draw other masks): the lesson's
-    # own check of the resume (train_checks.check_resumed) stops it before it trains.
+    # own check of the resume (train.py's check_resumed) stops it before it trains.
     copy = mutant(tmp_path, TRAIN, NO_RNG, file="checkpointing.py")
     args = (*ARGS, "--resume", "--out", tmp_path / "again")
     result = run_lesson(copy, *args, nproc=2, launcher="warm", timeout=TIMEOUT)
@@ -226,7 +226,7 @@ def test_crash_during_async_save_keeps_the_previous_checkpoint(tmp_path):
 
 
 def test_lesson_check_fails_when_the_write_has_no_staged_copy(tmp_path):
-    """The lesson's own check (train_checks.CheckedSaves): a copy that writes the live state when
+    """The lesson's own check (train.py's CheckedSaves): a copy that writes the live state when
     the write is waited for, not a copy staged at the step (the worst case of NO_STAGING: a disk
     slower than two steps), checkpoints step 4's weights as step 2's, and the check says so."""
     copy = mutant(tmp_path, TRAIN, *DEFERRED, file="checkpointing.py")

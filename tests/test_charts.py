@@ -4,8 +4,9 @@ draw, and hold the numbers the lesson printed in the same run.
 - The checker (tests/mermaid_check.py, our own reading of Mermaid's xychart and gantt grammars)
   reads what launch/charts.py writes and refuses what Mermaid refuses: a number with an exponent,
   a string left open, fewer values than categories, a task whose text holds a colon, ...
-- Each of the five lessons, in a short run with --chart: every block of the file parses, and its
-  numbers are those printed (busbw per size, the losses, GiB per rank, the timelines' ms).
+- Each lesson that draws, in a short run with --chart: every block of the file parses, and its
+  numbers are those printed (busbw per size, GiB per rank, the timelines' ms). (train.py drew its
+  losses until issue 50: its copy is five files, launch/charts.py not among them.)
 - A path the chart cannot be written to is refused by argparse, before any rank starts (parsed
   in this process).
 Every run is small (tiny sizes, few steps) and goes through the warm launcher.
@@ -106,7 +107,6 @@ def test_every_chart_in_the_readmes_parses():
 
 DRAWING = [
     "primitives/benchmark_collectives.py",
-    "transformer_basics/train.py",
     "fsdp_basics/fsdp_memory_plan.py",
     "ddp_basics/ddp_overlap.py",
     "fsdp_basics/fsdp_overlap.py",
@@ -146,26 +146,6 @@ def test_benchmark_collectives_chart(tmp_path):
         op: [float(bw) for o, _, bw in rows if o == op] for op in ("all_reduce", "all_gather")
     }
     assert {name: values for _, name, values in chart["lines"]} == printed
-
-
-def test_train_chart(tmp_path):
-    args = ["--steps", "8", "--warmup", "2", "--eval-every", "3", "--log-every", "2"]
-    args += ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32"]
-    args += ["--sample-tokens", "0", "--out", tmp_path / "run", "--chart", tmp_path / "c.md"]
-    result = run_lesson("transformer_basics/train.py", *args, launcher="warm", timeout=T)
-    assert_ok(result)
-    out = result.stdout
-    first, last, val_first, val_last = map(
-        float,
-        re.search(r"train loss ([\d.]+) -> ([\d.]+), val loss ([\d.]+) -> ([\d.]+)", out).groups(),
-    )
-    train, val = one_chart(tmp_path / "c.md")
-    assert train["x"] == ["0", "2", "4", "6", "7"]  # --log-every 2, and the last step
-    ((_, _, losses),) = train["lines"]
-    assert (losses[0], losses[-1]) == (first, last) and len(losses) == 5
-    during = re.findall(r"^step (\d+): val loss ([\d.]+)$", out, re.M)  # after steps 3 and 6
-    assert val["x"] == ["0", *(step for step, _ in during), "8"] == ["0", "3", "6", "8"]
-    assert val["lines"][0][2] == [val_first, *(float(loss) for _, loss in during), val_last]
 
 
 def test_fsdp_memory_plan_chart(tmp_path):

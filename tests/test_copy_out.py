@@ -128,12 +128,12 @@ def test_every_lesson_copied_out_imports_only_its_copy(python, tmp_path):
 
 @pytest.mark.quick
 def test_a_helper_that_imports_the_repository_is_caught(python, tmp_path):
-    """The mutation: training.py reaches for a launch module that the reader did not copy."""
+    """The mutation: checkpointing.py reaches for a launch module that the reader did not copy."""
     copy = copy_out("transformer_basics/train.py", tmp_path / "train").parent
-    helper = copy / "training.py"
+    helper = copy / "checkpointing.py"
     helper.write_text("import launch.local_ranks  # noqa\n" + helper.read_text())
     problems = check_copies(python, [copy], tmp_path)[str(copy)]
-    assert any("training.py: `import launch.local_ranks` finds nothing" in p for p in problems)
+    assert any("checkpointing.py: `import launch.local_ranks` finds nothing" in p for p in problems)
     assert any(p.startswith("--help: exit") for p in problems), problems
 
 
@@ -160,12 +160,21 @@ def test_a_lesson_copied_out_runs_under_torchrun(lesson, python, tmp_path):
     assert_ok(torchrun(python, copy_out(lesson, tmp_path / "copy")))
 
 
+@pytest.mark.quick
+def test_train_copied_out_is_five_files():
+    """Issue 50: a reader copies train.py with model.py, data.py, checkpointing.py and
+    launch/dist_setup.py, nothing else (train_2d.py: those, train.py and tensor_parallel.py)."""
+    paths = closure("transformer_basics/train.py")
+    names = sorted(p.name for p in paths) + [f"launch/{n}" for n in launch_modules(paths)]
+    assert names == ["checkpointing.py", "data.py", "model.py", "train.py", "launch/dist_setup.py"]
+
+
 def test_train_copied_out_saves_asynchronously_and_resumes(python, tmp_path):
     copy = copy_out("transformer_basics/train.py", tmp_path / "copy")
     args = ["--steps", "8", "--warmup", "2", "--eval-every", "4", "--save-every", "2"]
-    args += ["--async-save", "--out", "run"]
-    assert_ok(torchrun(python, copy, *args, "--stop-after", "4"))
-    resumed = torchrun(python, copy, *args, "--resume")
+    assert_ok(torchrun(python, copy, *args, "--async-save", "--out", "run", "--stop-after", "4"))
+    # --resume finds the DCP checkpoint/ that --async-save wrote, without being told (issue 50)
+    resumed = torchrun(python, copy, *args, "--out", "run", "--resume")
     assert_ok(resumed)
     assert "resumed at step 4" in resumed.stdout, str(resumed)
 

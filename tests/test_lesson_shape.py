@@ -72,10 +72,13 @@ LONGER = {
     "transformer_basics/composition.py": (125, "AC + compile + FSDP2, + DDP, and the other order"),
     "transformer_basics/pipeline_parallel.py": (125, "stages, schedule, tied weights, step loop"),
     "transformer_basics/tensor_parallel.py": (128, "block and model TP plans, SP, training loop"),
-    # the training loop inline, as nanoGPT's train.py (issue 40): about 40 lines of the allowance;
-    # the calls of the checks of a resume and of --async-save (issue 45): 5
-    "transformer_basics/train.py": (152, "a whole training script: data, loop, checkpoint"),
-    "transformer_basics/train_2d.py": (159, "train.py's loop on a 2-D mesh, TP, FSDP, 2-mesh clip"),
+    # the whole recipe inline, as nanoGPT's train.py (issues 40, 50): data, model, parallelism,
+    # AdamW and its schedule, resume, the bf16 choice, the evaluation, the loop, the checkpoint
+    "transformer_basics/train.py": (192, "a whole training script, its recipe inline"),
+    "transformer_basics/train_2d.py": (
+        192,
+        "train.py's recipe on a 2-D mesh, TP, FSDP, 2-mesh clip",
+    ),
 }
 
 
@@ -94,14 +97,20 @@ def test_lesson_first_then_its_checks(lesson):
         assert SETUP_LINE in docstring, f"{lesson}: its docstring lacks the line\n{SETUP_LINE}"
 
 
+# file: (lines allowed, why it cannot be split by topic)
+LONGER_FILES = {
+    # issue 50: a reader copies train.py with model.py, data.py, checkpointing.py and
+    # launch/dist_setup.py, nothing else; so train.py holds, below its divider, its flags, its
+    # timing (MFU, --profile) and its checks (resume, --async-save, DDP's replicas)
+    "transformer_basics/train.py": (550, "the recipe, and its flags, timing and checks")
+}
+
+
 def test_no_file_is_too_long():
     files = [p for folder in FOLDERS for p in (ROOT / folder).glob("*.py")]
-    long = {
-        str(p.relative_to(ROOT)): n
-        for p in files
-        if (n := len(p.read_text().splitlines())) > MAX_LINES
-    }
-    assert not long, f"over {MAX_LINES} lines: {long}"
+    lengths = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in files}
+    long = {f: n for f, n in lengths.items() if n > LONGER_FILES.get(f, (MAX_LINES, ""))[0]}
+    assert not long, f"over {MAX_LINES} lines (or LONGER_FILES' allowance): {long}"
 
 
 def test_longer_lessons_are_still_lessons():

@@ -7,6 +7,7 @@ training runs are small (6 steps of a 2-layer, 64-wide GPT on 32-token windows),
 serves several tests where it can (whole_run, resume_run).
 """
 
+import json
 import re
 import shutil
 import sys
@@ -15,13 +16,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 from harness import ROOT, assert_fails, assert_ok, mutant, run_command, run_lesson
+from lesson_cli import lesson_parser
 
 sys.path.insert(0, str(ROOT / "transformer_basics"))
 # transformer_basics/ modules, imported in this process: no ranks needed
 import checkpointing  # noqa: E402
 import data  # noqa: E402
 import generate  # noqa: E402
-import rng_state  # noqa: E402
 from launch.dist_setup import UsageError  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -102,6 +103,7 @@ def whole_run(tmp_path_factory):
         if parallel not in cache:
             out = tmp_path_factory.mktemp(parallel)
             args = ["--parallel", parallel, *GPT_SMALL, *DROPOUT, "--out", out]
+            args += ["--profile", "2"] if parallel == "none" else []  # test_profile_...
             nproc = 1 if parallel == "none" else 2
             result = run_lesson(TRAIN, *args, nproc=nproc, launcher="torchrun", timeout=TIMEOUT)
             assert_ok(result)
@@ -164,7 +166,7 @@ def test_ddp_check_fails_when_the_gradients_are_never_synced(tmp_path):
 def test_resume_check_fails_when_the_optimizer_state_is_not_restored(whole_run, tmp_path):
     """A copy whose resume loads the model but not the optimizer (AdamW would start again from
     zero moments, and the loss alone barely shows it): the lesson's check of the resume
-    (train_checks.check_resumed) compares the optimizer state with the checkpoint's and stops."""
+    (train.py's check_resumed) compares the optimizer state with the checkpoint's and stops."""
     shutil.copytree(whole_run("ddp")[1], tmp_path / "out")
     load = '        optimizer.load_state_dict(state["optimizer"])\n'
     copy = mutant(tmp_path, TRAIN, (load, "        pass\n"), file="checkpointing.py")
@@ -178,11 +180,11 @@ def test_rng_restore_tolerates_a_missing_or_extra_device_state(capsys):
     cpu_state = torch.get_rng_state()
     # Written on the CPU, resumed on a GPU: no rng_cuda in the checkpoint (CUDA is never touched:
     # the state is missing, so this runs on a machine without a GPU too). It used to raise KeyError.
-    rng_state.set_rng_states({"rng": cpu_state}, torch.device("cuda"))
+    checkpointing.set_rng_states({"rng": cpu_state}, torch.device("cuda"))
     assert "the checkpoint has no rng_cuda" in capsys.readouterr().out
     # Written on a GPU, resumed on the CPU: rng_cuda is there but of no use.
     torch.manual_seed(123)
-    rng_state.set_rng_states(
+    checkpointing.set_rng_states(
         {"rng": cpu_state, "rng_cuda": torch.zeros(16, dtype=torch.uint8)}, torch.device("cpu")
     )
     assert "rng_cuda in the checkpoint not restored" in capsys.readouterr().out
@@ -210,6 +212,68 @@ def test_ddp_and_fsdp_train_the_same_model(whole_run):
     b = load_model(whole_run("fsdp")[1] / "model.pt")
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
+
+
+def test_profile_writes_its_summary_and_a_trace(whole_run):
+    """--profile 2 (the `none` run): OUT/profile/summary.txt and trace.json, both named by one
+    `profile:` line; on a CPU the summary times the host and the data and lists ops by CPU time;
+    the trace is Chrome's trace format (JSON with traceEvents, which Perfetto opens), the
+    data.batch ranges in it."""
+    result, out = whole_run("none")
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("profile:")]
+    summary, trace = out / "profile" / "summary.txt", out / "profile" / "trace.json"
+    assert str(summary) in line and str(trace) in line, line
+    text = summary.read_text()
+    assert text.startswith("steps 1..2, rank 0, on the CPU\n"), text
+    assert re.search(r"host: [\d.]+ ms to issue a step .*, of which data [\d.]+ ms", text), text
+    assert "top ops by self CPU time" in text and "aten::" in text, text
+    names = {event.get("name") for event in json.loads(trace.read_text())["traceEvents"]}
+    assert "data.batch" in names, sorted(names)[:20]
+
+
+def test_flags_and_the_constraints_between_them_are_refused_when_parsed(capsys):
+    """In this process, train.py's parse: one argparse line for each constraint between flags;
+    --gpt2-small's sizes are defaults that a flag given still overrides, and the parameter counts
+    its help and the README give (85.25M with bytes, 123.69M at GPT-2's vocabulary) are the
+    model's."""
+    import train
+
+    for argv, message in [
+        (["--warmup", "250"], "--steps 250 must be larger than --warmup 250"),
+        (["--min-lr", "0.1"], "--min-lr 0.1 is above --lr 0.003"),
+        (["--n-head", "3"], "--n-embd 128 must be a multiple of --n-head 3"),
+        (
+            ["--profile", "9", "--steps", "10", "--warmup", "1"],
+            "--profile 9: the run needs 11 steps",
+        ),
+        (["--gpt2-small", "--steps", "50"], "--steps 50 must be larger than --warmup 100"),
+    ]:
+        with pytest.raises(SystemExit):
+            train.parse(lesson_parser(TRAIN), argv)
+        assert message in capsys.readouterr().err
+    args = train.parse(lesson_parser(TRAIN), ["--gpt2-small", "--batch-size", "32"])
+    sizes = (args.n_layer, args.n_head, args.n_embd, args.block_size, args.accum, args.compile)
+    assert sizes == (12, 12, 768, 1024, 1, True) and args.batch_size == 32
+    with torch.device("meta"):  # shapes only
+        for vocab, millions in ((256, 85.25), (50304, 123.69)):
+            model = GPT(GPTConfig(vocab, 1024, n_layer=12, n_head=12, n_embd=768))
+            assert round(model.num_params() / 1e6, 2) == millions
+
+
+@pytest.mark.parametrize("found", ["torch.save file", "two checkpoints"])
+def test_resume_names_what_to_change(found, whole_run, tmp_path):
+    """--resume reads whichever checkpoint --out holds (tests/test_copy_out.py: a plain resume of
+    an --async-save run); FSDP cannot read DDP's torch.save file, and two checkpoints are one too
+    many: one line on every rank that says what to change."""
+    shutil.copytree(whole_run("ddp")[1], tmp_path, dirs_exist_ok=True)
+    message = "checkpoint.pt is a torch.save file (--parallel none or ddp wrote it)"
+    if found == "two checkpoints":
+        shutil.copytree(whole_run("fsdp")[1] / "checkpoint", tmp_path / "checkpoint")
+        message = "holds two checkpoints, checkpoint/ and checkpoint.pt: move away the one"
+    args = ["--parallel", "fsdp", *GPT_SMALL, "--steps", "8", "--resume", "--out", tmp_path]
+    result = run_lesson(TRAIN, *args, nproc=2, launcher="warm", timeout=TIMEOUT)
+    assert_fails(result, message, within=2)
+    assert "Traceback" not in result.output
 
 
 # ---- a checkpoint that does not fit: one line that names the file and what differs ----

@@ -30,6 +30,7 @@ Timings on a CPU shared with other work are noisy; compare modes within one run.
 Docs: https://pytorch.org/docs/stable/distributed.html
 """
 
+import collections
 import copy
 import time
 
@@ -38,14 +39,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
 import data
 from launch.dist_setup import float_in, int_in, lesson_parser, print0, run
-from measuring import PeakMemory, collectives, state_bytes, synchronize
-from model import GPT, add_model_args, config_from_args
+from model import GPT, config_from_args
 from tensor_parallel import apply_tensor_parallel
 
 MODES = ["none", "ddp", "ddp+", "fsdp", "fsdp+", "tp"]
@@ -187,6 +188,54 @@ def print_ratios(ms):
         print0(f"\nstep time ratios ({goals}): " + ", ".join(found))
 
 
+# ---- what it measures with: the peak CUDA memory, the collectives a profiled step ran, the state
+# a rank holds ----
+
+
+def synchronize(device):
+    if device.type != "cpu":  # a GPU runs ahead of the host: time only what it has finished
+        torch.accelerator.synchronize()
+
+
+class PeakMemory:
+    """On CUDA, the peak allocated memory from now on, above what was allocated now."""
+
+    def __init__(self, device):
+        self.device, self.cuda = device, device.type == "cuda"
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+            self.before = torch.cuda.memory_allocated(device)
+
+    def peak(self):
+        if not self.cuda:
+            return None
+        synchronize(self.device)
+        return (torch.cuda.max_memory_allocated(self.device) - self.before) / 2**20
+
+
+# part of a c10d op's name (c10d::allreduce_, c10d::_allgather_base_, ...) -> the collective it is
+KINDS = {"allreduce": "all_reduce", "allgather": "all_gather", "alltoall": "all_to_all"}
+KINDS |= {"reduce_scatter": "reduce_scatter", "broadcast": "broadcast"}
+
+
+def collectives(prof):
+    """'2 all_reduce', '9 all_gather, 5 reduce_scatter', ...: the c10d ops of one profiled step."""
+    counts = collections.Counter(
+        what
+        for e in prof.events()
+        if e.name.startswith("c10d::")
+        for part, what in KINDS.items()
+        if part in e.name
+    )
+    return ", ".join(f"{n} {what}" for what, n in sorted(counts.items())) or "-"
+
+
+def state_bytes(model):
+    """Parameters + gradients + two AdamW moments held by this rank, in bytes."""
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    return 4 * sum(t.numel() * t.element_size() for t in local)
+
+
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=MODES)
@@ -203,5 +252,12 @@ if __name__ == "__main__":
         "--tol", type=float_in(0, 1), default=1e-3, help="largest loss spread between the modes"
     )
     # tp: 24 heads split 1, 2, 3, 4, 6, 8 ways
-    add_model_args(parser, n_layer=4, n_head=24, n_embd=192, block_size=128)
+    # the GPT of model.py
+    parser.add_argument("--n-layer", type=int_in(1, 256), default=4)
+    parser.add_argument("--n-head", type=int_in(1, 1024), default=24)
+    parser.add_argument("--n-embd", type=int_in(1, 65_536), default=192)
+    parser.add_argument(
+        "--block-size", type=int_in(1, 1_048_576), default=128, help="context length"
+    )
+    parser.add_argument("--dropout", type=float_in(0, 0.9), default=0.0)
     run(main, parser.parse_args())

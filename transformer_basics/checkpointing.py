@@ -6,15 +6,15 @@ checkpoint/ (FSDP, FSDP x TP, train.py --async-save): torch.distributed.checkpoi
 rank its own shards (a replica once) into one directory, read back by the shards each owns.
 Either way it is written under a temporary name, then renamed (checkpoint/ is a symbolic link
 switched by a rename): a crash never leaves half a checkpoint; Checkpointer can also write it in
-the background. export_full_model() gathers the unsharded weights for generate.py. The RNG
-state: rng_state.py.
+the background. --resume reads whichever of the two --out holds (find_checkpoint). The RNG
+state: dropout must draw the same numbers after a resume as the uninterrupted run would.
+export_full_model() gathers the unsharded weights for generate.py.
 
 Docs: https://pytorch.org/docs/stable/distributed.checkpoint.html
 """
 
 import os
 import shutil
-import time
 import zipfile
 from dataclasses import asdict
 from pathlib import Path
@@ -28,11 +28,9 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils._pytree import tree_leaves
 
-from rng_state import rng_states, saved_rng_slots, set_rng_states
+from launch.dist_setup import print0
 
 
 def save_checkpoint(path, stateful, step, ctx):
@@ -99,12 +97,12 @@ class Checkpointer:
     checkpoint/state_dict_saver.py) copies the state to CPU memory (_state_dict_stager.py) and
     returns; a thread writes the copy to path.tmp while training goes on. The next save, and the
     last (synchronous: nothing is left to train), first wait for it; only then is path moved to
-    path.tmp's directory. .stalls: how long each save stopped training, the bytes it staged."""
+    path.tmp's directory."""
 
     def __init__(self, path, stateful, ctx, asynchronous=False):
         self.path, self.ctx, self.asynchronous = path, ctx, asynchronous
         self.stateful = stateful  # (model, optimizer, scheduler)
-        self.pending, self.stalls = None, []  # async_save's Future; (step, kind, s, bytes)
+        self.pending = None  # async_save's Future
         # The background write runs collectives of its own (it gathers the ranks' plans): they
         # get a group of their own, never interleaved with the training loop's on the default
         # one, and a CPU (Gloo) one, as async_save asserts (state_dict_saver.py).
@@ -113,37 +111,54 @@ class Checkpointer:
 
     def __call__(self, step, last=False):
         self.wait()  # one write in flight at most
-        start = time.perf_counter()
         if self.asynchronous and not last:
             state = checkpoint_state(self.path, self.stateful, step=step, ctx=self.ctx)
             tmp = fresh_tmp(self.path, self.ctx)
             # returns once the state is staged: training may change the weights from here on
             self.pending = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
-            self.stalls.append((step, "async", time.perf_counter() - start, staged_bytes(state)))
         else:
             save_checkpoint(self.path, self.stateful, step=step, ctx=self.ctx)
-            self.stalls.append((step, "sync", time.perf_counter() - start, 0))
 
     def wait(self):
         """Wait for the write in flight, if any, until this rank's share of it is on disk; only
         then move path to it (a collective)."""
         if self.pending is not None:
-            start = time.perf_counter()
             self.pending.result()
             self.pending = None
             publish(f"{self.path}.tmp", self.path, self.ctx)
-            self.stalls.append((None, "wait", time.perf_counter() - start, 0))
 
 
-def staged_bytes(state):
-    """The CPU copy async_save stages: one copy of each tensor storage in the state (a DTensor:
-    of this rank's shard), as _state_dict_stager.py copies them."""
-    storages = {}
-    for t in tree_leaves(state):
-        if isinstance(t, torch.Tensor):
-            local = t.to_local() if isinstance(t, DTensor) else t
-            storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
-    return sum(storages.values())
+def find_checkpoint(out, needs_dcp, ctx):
+    """--resume: the checkpoint in out, a DCP directory (checkpoint/) or a torch.save file
+    (checkpoint.pt), whichever it holds. needs_dcp: this run reads DCP only (FSDP's shards,
+    --async-save). Otherwise one line that says what to change, on every rank."""
+    found = [p for p in (out / "checkpoint", out / "checkpoint.pt") if p.exists()]
+    ctx.require(found, f"--resume: no checkpoint in {out} (neither checkpoint/ nor checkpoint.pt)")
+    ctx.require(
+        len(found) == 1,
+        f"--resume: {out} holds two checkpoints, checkpoint/ and checkpoint.pt: move away the "
+        "one not to resume from",
+    )
+    ctx.require(
+        found[0].suffix != ".pt" or not needs_dcp,
+        f"--resume: {found[0]} is a torch.save file (--parallel none or ddp wrote it), and "
+        "--parallel fsdp and --async-save read checkpoint/ (DCP) only: resume with --parallel "
+        "none or ddp, without --async-save",
+    )
+    return found[0]
+
+
+def make_out_dir(path, ctx):
+    """Make path and write a file in it, on every rank (each node may have its own disk; a probe
+    that only asks os.access trusts root). Called after every refusal: a refused run writes
+    nothing."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write_test_{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as error:
+        ctx.require(False, f"--out {path}: cannot write there ({error.strerror}): pass another")
 
 
 def load_checkpoint(path, stateful, ctx):
@@ -182,6 +197,45 @@ def export_full_model(model, cfg, path):
     if dist.get_rank() == 0:
         torch.save({"config": asdict(cfg), "model": full}, f"{path}.tmp")
         os.replace(f"{path}.tmp", path)  # a reader never sees half a file
+
+
+# ---- the RNG state (docs: https://pytorch.org/docs/stable/random.html) ----
+
+
+def rng_states(device):
+    """The CPU generator's state and, on an accelerator, that device's own (dropout on a GPU draws
+    from the GPU's generator): both are CPU uint8 tensors, whichever device they describe."""
+    states = {"rng": torch.get_rng_state()}
+    if device.type != "cpu":
+        states[f"rng_{device.type}"] = torch.get_device_module(device).get_rng_state(device)
+    return states
+
+
+def set_rng_states(states, device):
+    """Restore rng_states(). A checkpoint written on a GPU and resumed on the CPU holds a GPU state
+    this run cannot use; one written on the CPU and resumed on a GPU lacks the GPU's. Neither stops
+    the resume: one line says so (only dropout's masks then differ from an uninterrupted run's)."""
+    torch.set_rng_state(states["rng"])
+    mine = f"rng_{device.type}"
+    if mine in states:
+        torch.get_device_module(device).set_rng_state(states[mine], device)
+    unused = ", ".join(sorted(k for k in states if k.startswith("rng_") and k != mine))
+    gap = f"{unused} in the checkpoint not restored (this run is on {device.type})"
+    if not unused and device.type != "cpu" and mine not in states:
+        gap = unused = f"the checkpoint has no {mine} (written on the CPU?)"
+    if unused:
+        print0(f"resume: {gap}; dropout masks differ from the uninterrupted run's")
+
+
+def saved_rng_slots(path):
+    """dcp.load fills only the keys it is given, and fails on a key the checkpoint lacks: so ask
+    the checkpoint's metadata which RNG states it holds, and make room for exactly those."""
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype, device="cpu")
+        for key, meta in saved.items()
+        if key == "rng" or key.startswith("rng_")
+    }
 
 
 # ---- does the checkpoint fit the model? One line, not a traceback, when it does not ----

@@ -60,7 +60,9 @@ def encode(text):
 
 
 def decode(tokens):
-    return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+    # An id above 255 (a model with a larger vocabulary, train.py --vocab-size) is no byte: 0xFF
+    # is never valid UTF-8, so it shows as U+FFFD.
+    return bytes(min(int(t), 0xFF) for t in tokens).decode("utf-8", errors="replace")
 
 
 def load_text(path):
@@ -139,14 +141,18 @@ class ShardedWindows:
             out.append(int(self.order(epoch)[pos]))
         return out
 
-    def batch(self, step, micro_step, batch_size, accum=1):
-        """(x, y) on the CPU: y is x shifted by one token."""
-        starts = (
-            torch.tensor(self.indices(step, micro_step, batch_size, accum), device="cpu")
-            * self.block_size
-        )
-        rows = self.tokens[starts[:, None] + torch.arange(self.block_size + 1, device="cpu")]
-        return rows[:, :-1], rows[:, 1:]
+    def batch(self, step, micro_step, batch_size, accum=1, device=None):
+        """(x, y): y is x shifted by one token; on the CPU, or sent to device (to_device)."""
+        with torch.profiler.record_function("data.batch"):  # train.py --profile: the data time
+            starts = (
+                torch.tensor(self.indices(step, micro_step, batch_size, accum), device="cpu")
+                * self.block_size
+            )
+            rows = self.tokens[starts[:, None] + torch.arange(self.block_size + 1, device="cpu")]
+            x, y = rows[:, :-1], rows[:, 1:]
+            if device is None:
+                return x, y
+            return to_device(x, device), to_device(y, device)
 
 
 def to_device(x, device):

@@ -23,8 +23,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from launch.dist_setup import float_in, int_in
-
 
 @dataclass
 class GPTConfig:
@@ -108,9 +106,11 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx):
-        """idx: (B, T) token ids -> logits (B, T, vocab). A pipeline stage without wte takes
-        hidden states (B, T, C) instead, and one without lm_head returns them."""
+    def forward(self, idx, targets=None):
+        """idx: (B, T) token ids -> logits (B, T, vocab); with targets (B, T), the mean
+        cross-entropy instead, computed here so that torch.compile fuses it with the head (as
+        nanoGPT's model(idx, targets)). A pipeline stage without wte takes hidden states (B, T, C)
+        instead, and one without lm_head returns them."""
         if self.wte is not None:
             pos = torch.arange(idx.shape[1], device=idx.device)
             x = self.drop(self.wte(idx) + self.wpe(pos))
@@ -127,7 +127,11 @@ class GPT(nn.Module):
                 x = block(x)
         if self.lm_head is None:
             return x
-        return self.lm_head(self.ln_f(x))
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        # float32 for the softmax, also under bf16 autocast
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def num_params(self, non_embedding=True):
         n = sum(p.numel() for p in self.parameters())
@@ -157,25 +161,8 @@ class GPT(nn.Module):
         return idx
 
 
-def add_model_args(parser, **defaults):
-    """--n-layer, --n-head, --n-embd, --block-size, --dropout; the GPT-2 small sizes in --help.
-    The upper bounds are sane, not what fits: GPT-3 175B has 96 layers, 96 heads, 12288 wide
-    (Brown et al. 2020, table 2.1)."""
-    d = {**GPTConfig().__dict__, **defaults}
-    g = parser.add_argument_group(
-        "model (GPT-2 small: --n-layer 12 --n-head 12 --n-embd 768 --block-size 1024)"
-    )
-    g.add_argument("--n-layer", type=int_in(1, 256), default=d["n_layer"])
-    g.add_argument("--n-head", type=int_in(1, 1024), default=d["n_head"])
-    g.add_argument("--n-embd", type=int_in(1, 65_536), default=d["n_embd"])
-    g.add_argument(
-        "--block-size", type=int_in(1, 1_048_576), default=d["block_size"], help="context length"
-    )
-    g.add_argument("--dropout", type=float_in(0, 0.9), default=d["dropout"])
-    return g
-
-
 def config_from_args(args, vocab_size=256):
+    """The configuration from anything with these attributes (a lesson's parsed flags)."""
     return GPTConfig(
         vocab_size=vocab_size,
         block_size=args.block_size,

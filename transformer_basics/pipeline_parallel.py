@@ -33,7 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import data
 from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_order, run
-from model import GPT, add_model_args, config_from_args
+from model import GPT, config_from_args
 
 
 def cut_stage(model, stage, stages):
@@ -198,5 +198,12 @@ if __name__ == "__main__":
         "--tol", type=float_in(0, 1), default=2e-5, help="largest difference accepted (float32)"
     )
     parser.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
-    add_model_args(parser, n_layer=8, n_embd=64, block_size=32)  # 8 blocks: up to 8 stages
+    # the GPT of model.py (8 blocks: up to 8 stages)
+    parser.add_argument("--n-layer", type=int_in(1, 256), default=8)
+    parser.add_argument("--n-head", type=int_in(1, 1024), default=4)
+    parser.add_argument("--n-embd", type=int_in(1, 65_536), default=64)
+    parser.add_argument(
+        "--block-size", type=int_in(1, 1_048_576), default=32, help="context length"
+    )
+    parser.add_argument("--dropout", type=float_in(0, 0.9), default=0.0)
     run(main, parser.parse_args())

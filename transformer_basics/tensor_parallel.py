@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import (
 
 import data
 from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_order, run
-from model import GPT, add_model_args, config_from_args
+from model import GPT, config_from_args
 
 
 def block_plan(sequence_parallel):
@@ -180,5 +180,12 @@ if __name__ == "__main__":
     )
     parser.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
     # 24 heads, 24 tokens: 1, 2, 3, 4, 6, 8 ranks
-    add_model_args(parser, n_layer=2, n_head=24, n_embd=192, block_size=24)
+    # the GPT of model.py
+    parser.add_argument("--n-layer", type=int_in(1, 256), default=2)
+    parser.add_argument("--n-head", type=int_in(1, 1024), default=24)
+    parser.add_argument("--n-embd", type=int_in(1, 65_536), default=192)
+    parser.add_argument(
+        "--block-size", type=int_in(1, 1_048_576), default=24, help="context length"
+    )
+    parser.add_argument("--dropout", type=float_in(0, 0.9), default=0.0)
     run(main, parser.parse_args())

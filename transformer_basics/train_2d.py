@@ -10,7 +10,8 @@ in every layer) each block's matrices are split as in tensor_parallel.py; along 
 columns) FSDP shards what each rank holds and every row reads different data. This file is
 train.py with these changes (`diff train.py train_2d.py`): the mesh, the two parallelize
 calls, data sharded by dp rank, gradient clipping over two meshes, and a check that the first
-step's gradients equal those of the unsharded model on the whole global batch.
+step's gradients equal those of the unsharded model on the whole global batch. Its flags, its
+timing and its checks of a resume are train.py's (imported from there).
 
 run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python.
 
@@ -20,7 +21,7 @@ Docs: https://pytorch.org/tutorials/intermediate/TP_tutorial.html
 
 import argparse
 import copy
-import os
+import math
 from pathlib import Path
 
 import torch
@@ -28,14 +29,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 import data
-import training
-from checkpointing import Checkpointer, export_full_model, load_checkpoint
+from checkpointing import (
+    Checkpointer,
+    export_full_model,
+    find_checkpoint,
+    load_checkpoint,
+    make_out_dir,
+)
 from launch.dist_setup import float_in, int_in, lesson_parser, print0, run
-from model import GPT, config_from_args
+from model import GPT, GPTConfig
 from tensor_parallel import apply_tensor_parallel
-from train_checks import check_first_step, check_resumed
+from train import Progress, add_flags, check_loss_fell, check_resumed, parse, print_sample
 
 
 def main(args, ctx):
@@ -50,13 +57,12 @@ def main(args, ctx):
         not args.sequence_parallel or args.block_size % tp == 0,
         f"--sequence-parallel: --block-size {args.block_size} must be a multiple of --tp {tp}",
     )
-    training.check_args(args, ctx)
     out = Path(args.out)
     ckpt = out / "checkpoint"
-    ctx.require(not args.resume or ckpt.exists(), f"--resume: no checkpoint at {ckpt}")
+    if args.resume:  # whichever checkpoint --out holds: a DCP one (its shards fit any mesh)
+        ckpt = find_checkpoint(out, True, ctx)
     train_tokens, val_tokens = data.load_tokens(args.data, args.block_size, ctx)
-    # made here, after the refusals: a refused run writes nothing
-    ctx.require(can_write_in(out), f"cannot write to {out}: pass another --out")
+    make_out_dir(out, ctx)  # after the refusals: a refused run writes nothing
     dp = ctx.world_size // tp
     mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     # The ranks of one tp row read the same windows: the data is sharded by dp rank.
@@ -66,7 +72,8 @@ def main(args, ctx):
     val_data = data.ShardedWindows(val_tokens, args.block_size, **shard)
 
     torch.manual_seed(args.seed)  # the same initial model on every rank: each keeps its part
-    cfg = config_from_args(args)
+    sizes = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout")
+    cfg = GPTConfig(**{name: getattr(args, name) for name in sizes})
     model = GPT(cfg).to(ctx.device)
     n_params, flops_per_token = model.num_params(), model.flops_per_token()
     if args.compile:
@@ -78,7 +85,23 @@ def main(args, ctx):
         fully_shard(block, mesh=mesh["dp"])  # ...then FSDP shards each rank's slices along dp
     fully_shard(model, mesh=mesh["dp"])
     # --------------------------------------------------------------------
-    optimizer, scheduler = training.make_optimizer(model, args)
+    # AdamW, weight decay on matrices (Linear weights, embeddings) only, never on biases and norms;
+    # fused: one kernel updates every parameter (CUDA, and CPU since torch 2.4), no Python loop
+    params = [p for p in model.parameters() if p.requires_grad]  # a tied weight comes once
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=True)
+
+    def lr_factor(step):  # a linear warm-up to --lr, then a cosine down to --min-lr at --steps
+        if step < args.warmup:
+            return (step + 1) / args.warmup
+        progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+        floor = args.min_lr / args.lr
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     stateful = (model, optimizer, scheduler)  # what a checkpoint holds, with the step and the RNG
     start = load_checkpoint(ckpt, stateful, ctx) if args.resume else 0
     if args.resume:  # the check: what was restored, against the checkpoint read back
@@ -94,26 +117,35 @@ def main(args, ctx):
         check_first_step(model, reference, windows=train_data, args=args, ctx=ctx)
         del reference
     save = Checkpointer(ckpt, stateful, ctx)
-    bf16 = training.use_bf16(args, ctx)  # weights, gradients and AdamW stay float32
+    # bf16 autocast on a GPU that has it (--dtype auto); weights, gradients and AdamW stay float32
+    gpu_bf16 = ctx.device.type == "cuda" and torch.cuda.is_bf16_supported()
+    bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and gpu_bf16)
     autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=bf16)
 
-    def evaluate():  # a collective: every rank evaluates its share of the held-out windows
-        return training.evaluate(model, val_data, args=args, ctx=ctx)
+    @torch.no_grad()
+    def evaluate():  # the held-out loss: every rank its share of the windows, then the mean
+        model.eval()
+        total = torch.zeros((), device=ctx.device)
+        for i in range(args.eval_batches):
+            x, y = val_data.batch(i, 0, args.batch_size, args.accum, device=ctx.device)
+            with autocast:
+                total += model(x, y)
+        dist.all_reduce(total, op=dist.ReduceOp.AVG)  # a collective: every rank evaluates
+        model.train()
+        return total.item() / args.eval_batches
 
     val_first = evaluate()
     tokens = args.batch_size * args.accum * args.block_size * dp  # per step: a row reads alike
-    progress = training.Progress(range(start, stop), tokens_per_step=tokens, args=args, ctx=ctx)
-    for step in progress:  # rank 0 shows a bar
+    progress = Progress(range(start, stop), tokens_per_step=tokens, args=args, ctx=ctx)
+    for step in progress:  # times the steps (and --profile)
         loss_sum = torch.zeros((), device=ctx.device)
         for micro in range(args.accum):
-            x, y = train_data.batch(step, micro, batch_size=args.batch_size, accum=args.accum)
-            x, y = data.to_device(x, ctx.device), data.to_device(y, ctx.device)
+            x, y = train_data.batch(step, micro, args.batch_size, args.accum, device=ctx.device)
             # FSDP reduce-scatters the gradients over dp on the last micro-batch only; TP's
             # all-reduces (inside the forward and backward of every block) run every time.
             model.set_requires_gradient_sync(micro == args.accum - 1)
             with autocast:
-                logits = model(x)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / args.accum
+                loss = model(x, y) / args.accum  # the loss inside: compiled with the head
             loss.backward()
             loss_sum += loss.detach()  # stays on the device: no host sync per step
         clip_grad_norm_2d(model, args.grad_clip)
@@ -126,15 +158,15 @@ def main(args, ctx):
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < stop:
             save(step + 1)
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < stop:
-            progress.val(step + 1, evaluate())  # printed, kept for --chart
+            print0(f"step {step + 1}: val loss {evaluate():.3f}")
     val_last = evaluate()
     save(stop, last=True)
     export_full_model(model, cfg, out / "model.pt")  # a collective: every rank
 
     label = f"fsdp+tp {dp}x{tp}"
-    progress.print_summary(label, (val_first, val_last), flops_per_token)
-    training.print_sample(out / "model.pt", args, ctx)
-    training.check_loss_fell(val_first, val_last)
+    progress.summary(label, (val_first, val_last), flops_per_token, bf16)
+    print_sample(out / "model.pt", args.sample_tokens, ctx)
+    check_loss_fell(val_first, val_last)
     print0(
         f"OK: fsdp+tp on a {dp}x{tp} mesh trained steps {start}..{stop - 1}, "
         f"val loss {val_first:.3f} -> {val_last:.3f}; checkpoint {ckpt}, model {out / 'model.pt'}"
@@ -160,20 +192,49 @@ def clip_grad_norm_2d(model, max_norm):
 # ---- The lesson ends here. What follows is how it checks itself. ----
 
 
-def can_write_in(folder):
-    """Make folder if it is missing; True if this rank can create a file in it. Every rank
-    asks: each machine may have a disk of its own."""
-    probe = os.path.join(folder, f".write_test_{os.getpid()}")
-    try:  # a file made and removed: os.access is no test, it allows everything to root
-        os.makedirs(folder, exist_ok=True)
-        os.close(os.open(probe, os.O_CREAT | os.O_WRONLY))
-        os.remove(probe)
-        return True
-    except OSError:
-        return False
+def check_first_step(model, reference, windows, args, ctx):
+    """Before training, on every rank and device: the 2-D model on this rank's windows and the
+    unsharded model on the whole global batch (every dp row's) must produce the same gradients.
+    In float32 without dropout (eval mode), whatever --dtype and --dropout train with: both models
+    are then the same function, so only the order of sums differs (reduce-scatter over dp, TP's
+    all_reduce, matmul splits), a few float32 ulps of each gradient, far below --tol 2e-5."""
+
+    def batches(shard):
+        return [
+            tuple(t.to(ctx.device) for t in shard.batch(0, micro, args.batch_size, args.accum))
+            for micro in range(args.accum)
+        ]
+
+    rows = windows.world_size  # dp
+    every_row = [
+        data.ShardedWindows(
+            windows.tokens, args.block_size, rank=d, world_size=rows, seed=args.seed
+        )
+        for d in range(rows)
+    ]
+    local, whole = batches(windows), [batch for row in every_row for batch in batches(row)]
+    model.eval(), reference.eval()
+    for x, y in local:
+        (F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / len(local)).backward()
+    for x, y in whole:
+        (F.cross_entropy(reference(x).flatten(0, 1), y.flatten()) / len(whole)).backward()
+    worst = 0.0
+    for (name, p), ref_p in zip(model.named_parameters(), reference.parameters()):
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        worst = max(worst, (grad - ref_p.grad).abs().max().item())
+        if worst > args.tol:
+            raise RuntimeError(
+                f"first step: gradient of {name} differs from the unsharded model's by {worst:.2e}"
+            )
+    model.zero_grad(set_to_none=True)
+    model.train()
+    print0(
+        "check: step 0's gradients (float32) equal the unsharded model's on the global batch "
+        f"(max diff {worst:.1e})"
+    )
 
 
-def parse_args(argv=None):
+if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument(
         "--tp",
@@ -198,9 +259,7 @@ def parse_args(argv=None):
         default=2e-5,
         help="largest gradient difference the check accepts (float32, see check_first_step)",
     )
+    add_flags(parser)
     # 12 heads, 48 tokens: tp = 1, 2, 3, 4, 6
-    return training.parse_args(parser, argv, out="runs/gpt_2d", n_head=12, n_embd=96, block_size=48)
-
-
-if __name__ == "__main__":
-    run(main, parse_args())
+    parser.set_defaults(out="runs/gpt_2d", n_head=12, n_embd=96, block_size=48)
+    run(main, parse(parser, None))

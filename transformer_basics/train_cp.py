@@ -33,8 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import data
 from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_order, run
-from measuring import activation_bytes
-from model import GPT, add_model_args, config_from_args
+from model import GPT, config_from_args
 from ring_attention import RingAttention, zigzag_positions
 
 
@@ -220,6 +219,30 @@ def check_against_one_process(start, gpt, losses, tokens, args, ctx):
     )
 
 
+def activation_bytes(model, idx, pos, device):
+    """The forward and loss of model(x, positions) (train_cp.py's GPTWithPositions) on idx at pos:
+    the bytes of the tensors autograd saves for backward, each storage once, parameters left out
+    (pack sees every one, save_for_backward's too: torch/autograd/graph.py); on CUDA also the peak
+    of max_memory_allocated."""
+    x, y = (t[:, pos].to(device) for t in (idx[:, :-1], idx[:, 1:]))
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen, cuda = {}, device.type == "cuda"
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device) if cuda else 0
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = F.cross_entropy(model(x, pos.to(device)).flatten(0, 1), y.flatten())
+    peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
+    del loss  # held until here: no saved storage was freed, and its address reused, while counting
+    return sum(seen.values()), peak
+
+
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument(
@@ -235,5 +258,12 @@ if __name__ == "__main__":
     parser.add_argument("--lr", type=float_in(0, 10, low_open=True), default=0.3)
     parser.add_argument("--seed", type=int_in(0, 2**31 - 1), default=0)
     # 2cp divides 96 for cp 1, 2, 3, 4, 6, 8
-    add_model_args(parser, n_layer=2, n_head=2, n_embd=32, block_size=96)
+    # the GPT of model.py
+    parser.add_argument("--n-layer", type=int_in(1, 256), default=2)
+    parser.add_argument("--n-head", type=int_in(1, 1024), default=2)
+    parser.add_argument("--n-embd", type=int_in(1, 65_536), default=32)
+    parser.add_argument(
+        "--block-size", type=int_in(1, 1_048_576), default=96, help="context length"
+    )
+    parser.add_argument("--dropout", type=float_in(0, 0.9), default=0.0)
     run(main, parser.parse_args())

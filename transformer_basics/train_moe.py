@@ -38,8 +38,7 @@ from torch.profiler import ProfilerActivity, profile
 import data
 from expert_parallel import dispatch_to_experts
 from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_in_order, run
-from model import GPT, add_model_args, config_from_args
-from moe_tools import init_moe, report
+from model import GPT, config_from_args
 
 
 class MoE(nn.Module):
@@ -184,6 +183,46 @@ def check_against_one_process(reference, model, losses, corpus, args, ctx):
     )
 
 
+# ---- the experts' initial weights (the same on every rank and in the one-process check), and
+# per rank its experts, the rows it exchanged, its state and the collectives of a step ----
+
+
+def init_moe(args, layer):
+    """Router (E, C), W1 (E, C, hidden), W2 (E, hidden, C) of all E experts, the same on every rank
+    (CPU)."""
+    g = torch.Generator().manual_seed(args.seed * 1000 + int(layer))
+    E, C, H = args.experts, args.n_embd, args.hidden
+    rand = lambda *shape, std: torch.randn(shape, generator=g, device="cpu") * std  # noqa: E731
+    w2_std = 0.02 / (2 * args.n_layer) ** 0.5
+    return rand(E, C, std=C**-0.5), rand(E, C, H, std=C**-0.5), rand(E, H, C, std=w2_std)
+
+
+def report(model, prof, mesh, args, ctx):
+    """Per rank: its experts, (token, choice) rows to and from the other ep ranks (forward, all
+    layers: backward sends as many), state bytes, collectives per step."""
+    me, mlps = mesh["ep"].get_local_rank(), [block.mlp for block in model.blocks.values()]
+    local = args.experts // args.ep
+    first = me * local  # this rank's experts: first .. first + local - 1
+    steps = list(zip(*(mlp.splits for mlp in mlps)))  # [step][layer] -> (sent, received, ran)
+    sent, received = ([sum(sum(s[i]) - s[i][me] for s in step) for step in steps] for i in (0, 1))
+    nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
+    params = list(model.parameters())
+    expert_bytes = nbytes(w for mlp in mlps for w in (mlp.w1, mlp.w2))
+    # AdamW keeps exp_avg and exp_avg_sq, each zeros_like(param) (torch/optim/adam.py, _init_group)
+    state = nbytes(params) + nbytes(p.grad for p in params) + 2 * nbytes(params)
+    counts = {e.key: e.count for e in prof.key_averages()}  # c10d's ops, whatever the backend
+    all_to_all, all_reduce = (
+        counts.get(f"c10d::{op}", 0) / args.steps for op in ("alltoall_base_", "allreduce_")
+    )
+    print_in_order(
+        f"dp {mesh['dp'].get_local_rank()}, ep {me}: experts {first}..{first + local - 1} of each "
+        f"layer; rows sent to / received from the other ep ranks per step: {sent} / {received}\n"
+        f"state {state:,} B = parameters {nbytes(params):,} (experts {expert_bytes:,}) + "
+        f"gradients + AdamW's 2 moments; per step: {all_to_all:g} all_to_all, {all_reduce:g} "
+        "all_reduce"
+    )
+
+
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument(
@@ -212,5 +251,12 @@ if __name__ == "__main__":
         help="largest difference accepted (float32, see the check)",
     )
     parser.add_argument("--seed", type=int_in(0, 2**31 - 1), default=0)
-    add_model_args(parser, n_layer=2, n_head=2, n_embd=32, block_size=32)
+    # the GPT of model.py
+    parser.add_argument("--n-layer", type=int_in(1, 256), default=2)
+    parser.add_argument("--n-head", type=int_in(1, 1024), default=2)
+    parser.add_argument("--n-embd", type=int_in(1, 65_536), default=32)
+    parser.add_argument(
+        "--block-size", type=int_in(1, 1_048_576), default=32, help="context length"
+    )
+    parser.add_argument("--dropout", type=float_in(0, 0.9), default=0.0)
     run(main, parser.parse_args())

@@ -167,10 +167,10 @@ RELATIVE_OUT = re.compile(r'"(--(?:out|dir|checkpoint|ckpt-dir))",\s*default="(?
 
 def test_runs_write_only_to_tmp():
     """A lesson that writes under the checkout by default (an output flag with a relative default,
-    or training.parse_args's --out) has `out` in its row: the GPU mode gives it a tmp path."""
+    or train.py's add_flags's --out) has `out` in its row: the GPU mode gives it a tmp path."""
     for lesson, spec in gpu.LESSONS.items():
         text = (ROOT / lesson).read_text()
-        flags = RELATIVE_OUT.findall(text) + (["--out"] if "training.parse_args(" in text else [])
+        flags = RELATIVE_OUT.findall(text) + (["--out"] if "add_flags(parser)" in text else [])
         if flags and "nccl" not in spec:  # the nccl="..." lessons run in other_cases, paths given
             assert spec.get("out") == flags[0], (
                 f"{lesson} writes under the checkout by default ({flags[0]}): give its row "

@@ -27,13 +27,13 @@ SETUP_LINE = (
     "run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for plain python."
 )
 ABOVE_DIVIDER = 80
-MAX_LINES = 250
+MAX_LINES = 330  # DESIGN.md (issue 50): nanoGPT's train.py is 336
 # lesson: (lines allowed above the divider, why this lesson cannot be one screen)
 LONGER = {
     "primitives/flight_recorder.py": (110, "the faults, the dump and the analyzer are the lesson"),
     "launch/fault_tolerant_ddp.py": (
-        158,
-        "its own launcher, the failed step, the regroup, the join and the state sync",
+        172,
+        "its own launcher, its store keys, the failed step, the regroup, the join, the state sync",
     ),
     "primitives/hello_distributed.py": (120, "the whole set-up by hand, torchrun and spawn paths"),
     "primitives/init_methods.py": (115, "four ways to form a group, each spelled out"),

@@ -186,7 +186,8 @@ def run(main, args, init_process_group=True):
 
 def _write(text, stream=None):
     # One write call per line: print(a, b) writes piece by piece, and the pieces of several ranks
-    # mix on a shared pipe. A write of up to 4 KiB to a pipe is never split (POSIX PIPE_BUF).
+    # mix on a shared pipe. A write of up to PIPE_BUF bytes is never split: 4,096 on Linux
+    # (pipe(7)); POSIX promises 512 at least.
     stream = stream or sys.stdout
     stream.write(text + "\n")
     stream.flush()

@@ -45,6 +45,8 @@ LONGER = {
     # + 2: helpers called by keyword (issue 40)
     "transformer_basics/train_moe.py": (122, "a GPT training script: MoE blocks, dp x ep mesh"),
     "ddp_basics/ddp_checkpoint.py": (160, "save, load and the resumable job that uses them"),
+    # each method a function a reader can call (issue 50), and the data's size refused up front
+    "ddp_basics/local_sgd.py": (112, "four training loops, DiLoCo's outer step, the plan of runs"),
     "ddp_basics/ddp_overlap.py": (110, "timing hooks on autograd and on DDP's buckets: the lesson"),
     # fsdp_basics/: the lessons that write a mechanism out by hand
     "fsdp_basics/fsdp_checkpoint.py": (

@@ -268,6 +268,20 @@ PRIMITIVES = [
         args=("--fault", "order"),
         timeout=240,
     ),
+    Mutation(  # --culprit ignored: the last rank goes wrong, and main's culprit agrees with it
+        "flight_recorder-culprit-ignored",
+        "primitives/flight_recorder.py",
+        [
+            (
+                "culprit = ctx.world_size - 1 if args.culprit is None else args.culprit",
+                "culprit = ctx.world_size - 1",
+            )
+        ],
+        "order: the record shows",
+        nproc=3,
+        args=("--fault", "order", "--culprit", "0"),
+        timeout=240,
+    ),
     Mutation(  # both stages on worker 1 where the lesson puts stage 2 on the last worker: the
         # training is the same wherever the stages live, so only the owners can show it
         "rpc_pipeline-stage-2-on-another-worker",

@@ -41,7 +41,7 @@ LONGER = {
     "primitives/hello_distributed.py": (120, "the whole set-up by hand, torchrun and spawn paths"),
     "primitives/init_methods.py": (115, "four ways to form a group, each spelled out"),
     "transformer_basics/ring_attention.py": (
-        146,
+        148,
         "an autograd.Function: forward and backward ring",
     ),
     "transformer_basics/train_cp.py": (129, "a GPT training script: dp x cp mesh, ring attention"),

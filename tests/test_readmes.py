@@ -403,3 +403,22 @@ def test_no_merge_conflict_markers_in_tracked_files():
         if re.match(r"(<{7}|>{7}) |={7}$", line)
     ]
     assert not marked, f"merge conflict markers at {marked}"
+
+
+@pytest.mark.quick
+def test_ci_runs_the_quick_start_that_the_readme_shows():
+    """.ci/readme_path.sh reads the commands it runs from README.md: the lines of the bash block
+    under "## Quick start", unchanged, the last one the README's test command."""
+    section = (ROOT / "README.md").read_text().partition("\n## Quick start\n")[2]
+    block = re.search(r"^```bash\n(.*?)^```", section.partition("\n## ")[0], re.M | re.S)
+    assert block, "README.md: no ```bash block under ## Quick start"
+    shown = [line for line in block.group(1).splitlines() if line.strip()]
+    printed = subprocess.run(
+        ["bash", ".ci/readme_path.sh", "--print"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    assert printed == shown, (printed, shown)
+    assert printed[-1].endswith("pytest -m quick"), printed

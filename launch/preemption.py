@@ -57,7 +57,10 @@ def main(args, ctx):
     stop = StopSignal(signal.SIGTERM, signal.SIGUSR1)  # first: a signal from here on is kept
     ckpt = Path(args.out) / "checkpoint.pt"
     ctx.require(not args.resume or ckpt.exists(), f"--resume: no checkpoint at {ckpt}")
-    ctx.require((args.preempt_rank or 0) < ctx.world_size, "--preempt-rank: no such rank")
+    ctx.require(
+        (args.preempt_rank or 0) < ctx.world_size,
+        f"--preempt-rank {args.preempt_rank}: there are ranks 0 to {ctx.world_size - 1}",
+    )
     model, optimizer = make_model(args, ctx.device)
     start = load(ckpt, model, optimizer, ctx) if args.resume else 0
     ctx.require(start < args.steps, f"--resume: {ckpt} is at step {start}, past --steps")

@@ -51,7 +51,10 @@ class StepClock:
 
 def main(args, ctx):
     ctx.require(ctx.world_size >= 2, "a straggler needs others to be slower than: start 2 ranks")
-    ctx.require(args.slow_rank is None or args.slow_rank < ctx.world_size, "--slow-rank: no such")
+    ctx.require(
+        args.slow_rank is None or args.slow_rank < ctx.world_size,
+        f"--slow-rank {args.slow_rank}: there are ranks 0 to {ctx.world_size - 1}",
+    )
     ctx.require(args.steps >= args.report_every, "--steps: fewer than --report-every, no report")
     torch.manual_seed(0)  # the same initial weights on every rank
     model = torch.nn.Sequential(

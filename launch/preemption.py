@@ -38,7 +38,7 @@ class StopSignal:
     collective) goes on, and the training loop decides when to stop."""
 
     def __init__(self, *signals):
-        self.received = 0
+        self.received, self.signals = 0, signals
         for number in signals:
             signal.signal(number, self.note)
 
@@ -50,7 +50,10 @@ class StopSignal:
         rank has received a signal."""
         anyone = torch.tensor([self.received], device=device)
         dist.all_reduce(anyone, op=dist.ReduceOp.MAX)
-        return anyone.item()  # on a GPU a wait for the device: check every few steps if it costs
+        if anyone.item():  # on a GPU a wait for the device: check every few steps if it costs
+            for number in self.signals:  # stopping: a second signal (torchrun forwards its own)
+                signal.signal(number, signal.SIG_IGN)  # must not kill the exit (see the README)
+        return anyone.item()
 
 
 def main(args, ctx):

@@ -8,8 +8,9 @@ without --signals-to-handle, SIGTERM to each rank of `python --nproc 3` two step
 get it in different steps); and the lesson's own --preempt-at lever. A signal during a save, and a
 SIGKILL in the middle of one, are made by tests/save_interrupter.py around torch.save. Slurm's
 `scancel --signal=USR1` and the requeue are in tests/test_launch_cluster.py. Each mistake a reader
-could make is a copy of the lesson with it written in: the stop decided by a MIN, or by each rank
-alone, the momentum not restored, a handler that exits at once, a save without its rename.
+could make is a copy of the lesson with it written in: the stop decided by each rank alone, the
+momentum not restored, a handler that exits at once, a save without its rename (and the stop
+decided by a MIN: tests/test_mutations.py).
 """
 
 import os
@@ -339,15 +340,6 @@ def test_a_resume_at_another_world_size_is_refused(tmp_path):
 
 
 # ------------------------------------------------------ the checks fail when the lesson is wrong
-
-
-def test_a_stop_agreed_by_min_fails_the_check(tmp_path):
-    """MIN instead of MAX: the job stops only once every rank has the signal; with one rank
-    signalled it runs on to the end, and the lesson's check says so."""
-    copy = mutant(tmp_path, LESSON, ("op=dist.ReduceOp.MAX", "op=dist.ReduceOp.MIN"))
-    result = run_lesson(copy, *STEPS, "--preempt-at", "5", "--out", tmp_path / "out", nproc=2,
-                        launcher="warm", timeout=T)  # fmt: skip
-    assert_fails(result, "received a signal, yet the job ran on to step 40")
 
 
 def test_a_stop_not_agreed_leaves_the_others_in_a_collective(tmp_path):

@@ -50,10 +50,11 @@ class StopSignal:
         rank has received a signal."""
         anyone = torch.tensor([self.received], device=device)
         dist.all_reduce(anyone, op=dist.ReduceOp.MAX)
-        if anyone.item():  # on a GPU a wait for the device: check every few steps if it costs
-            for number in self.signals:  # stopping: a second signal (torchrun forwards its own)
-                signal.signal(number, signal.SIG_IGN)  # must not kill the exit (see the README)
-        return anyone.item()
+        received = anyone.item()  # on a GPU a wait for it: check every few steps if that costs
+        if received:  # stopping: a second signal (torchrun forwards its own) must not kill the
+            for number in self.signals:  # exit, where Python puts the default action back
+                signal.signal(number, signal.SIG_IGN)
+        return received
 
 
 def main(args, ctx):
@@ -72,8 +73,10 @@ def main(args, ctx):
         x, y = batch(step, ctx.rank, args, ctx.device)
         optimizer.zero_grad()
         F.mse_loss(model(x), y).backward()
-        for p in model.parameters():  # data parallel: the mean of the ranks' gradients
-            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+        # Data parallel by hand: a new DDP (as after a resume) sums its first step's buckets in
+        # another order, which changes the rounding at 3+ ranks (ddp_checkpoint.py's fix).
+        for p in model.parameters():
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)  # the mean of the ranks' gradients
         preempt_if_asked(step, args, ctx)  # --preempt-at: the scheduler's signal, mid-step
         optimizer.step()
         time.sleep(args.step_time)  # the rest of a real step: room for a signal to land

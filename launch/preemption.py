@@ -106,7 +106,7 @@ def batch(step, rank, args, device):
     """This rank's samples of this step, from (seed, step, rank) alone: a resumed run draws what an
     uninterrupted one does, with no data loader state to save."""
     g = torch.Generator().manual_seed((args.seed * 1_000_003 + step) * 4096 + rank)
-    x = torch.randn(args.batch, args.width, generator=g, dtype=torch.float64)
+    x = torch.randn(args.batch, args.width, generator=g, dtype=torch.float64, device="cpu")
     return x.to(device), x.sum(1, keepdim=True).sin().to(device)
 
 

@@ -5,8 +5,8 @@ gradient all_reduce, which ends only once the last rank has joined it). Every --
 the ranks gather both; rank 0 names each rank whose compute exceeds the median by more than
 --threshold of a step, and by how much: what every other rank then waits, each step.
 
-    torchrun --nproc_per_node=4 launch/straggler.py --slow-rank 2 --slow-ms 30
-    python launch/straggler.py --nproc 3 --slow-rank 1   # the experiment: rank 1 sleeps 30 ms
+    torchrun --nproc_per_node=4 launch/straggler.py --slow-rank 2 --slow-ms 50
+    python launch/straggler.py --nproc 3 --slow-rank 1   # the experiment: rank 1 sleeps 50 ms
 
 On a GPU the host's clock says little: a kernel launch returns at once, and its time shows up in
 whatever call next waits for the GPU. So on CUDA both parts are read from CUDA events recorded on
@@ -17,6 +17,7 @@ run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for 
 Docs: https://pytorch.org/docs/stable/generated/torch.cuda.Event.html
 """
 
+import statistics
 import time
 
 import torch
@@ -39,14 +40,15 @@ class StepClock:
         return event
 
     def per_step_ms(self):
-        """Mean (compute, wait) in ms per step since the last call."""
+        """(compute, wait) in ms of the median step since the last call: a rank slow on most
+        steps, not one hiccup (the host stalling a process once, a garbage collection)."""
         if self.cuda:
             torch.cuda.synchronize()  # once per report, not once per step
             ms = [(a.elapsed_time(b), b.elapsed_time(c)) for a, b, c in self.steps]
         else:
             ms = [((b - a) * 1e3, (c - b) * 1e3) for a, b, c in self.steps]
         self.steps = []
-        return [sum(part) / len(ms) for part in zip(*ms)]
+        return [statistics.median(part) for part in zip(*ms)]
 
 
 def main(args, ctx):
@@ -139,7 +141,7 @@ if __name__ == "__main__":
                         help="named when it adds this part of a step to the median")  # fmt: skip
     parser.add_argument("--slow-rank", type=int_in(0, 4095),
                         help="the experiment: this rank sleeps --slow-ms in each step")  # fmt: skip
-    parser.add_argument("--slow-ms", type=float_in(0, 60_000), default=30)
+    parser.add_argument("--slow-ms", type=float_in(0, 60_000), default=50)
     parser.add_argument("--width", type=int_in(1, 16384), default=256)
     parser.add_argument("--batch", type=int_in(1, 65_536), default=256)
     run(main, parser.parse_args())

@@ -161,7 +161,7 @@ LESSONS = {
     # issue 53; the three budgets below are not yet measured on a GPU (no device time was left).
     # 40 steps of 0.05 s and a one-process replay; it runs to its end (no signal): extra 3
     "launch/preemption.py": dict(min_ranks=1, gloo_cuda=True, out="--out", extra=3),
-    # CUDA events (StepClock); rank 1 sleeps 30 ms in each of 30 steps: extra 2
+    # CUDA events (StepClock); rank 1 sleeps 50 ms in each of 30 steps: extra 2
     "launch/straggler.py": dict(min_ranks=2, gloo_cuda=True, args=["--slow-rank", "1"], extra=2),
     "launch/record_errors.py": ANY,
     "ddp_basics/manual_data_parallel.py": dict(min_ranks=1, gloo_cuda=True, divides=96),

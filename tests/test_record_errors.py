@@ -54,6 +54,7 @@ def summary_block(result, rank):
     return block
 
 
+@pytest.mark.quick
 def test_it_runs_and_checks_what_record_writes():
     result = run_lesson(LESSON, nproc=3, launcher="warm", timeout=T)
     ok = assert_ok(result)

@@ -141,7 +141,8 @@ if __name__ == "__main__":
                         help="named when it adds this part of a step to the median")  # fmt: skip
     parser.add_argument("--slow-rank", type=int_in(0, 4095),
                         help="the experiment: this rank sleeps --slow-ms in each step")  # fmt: skip
-    parser.add_argument("--slow-ms", type=float_in(0, 60_000), default=50)
+    parser.add_argument("--slow-ms", type=float_in(10, 60_000), default=50,
+                        help="at least 10: more than a step's noise on a loaded CPU")  # fmt: skip
     parser.add_argument("--width", type=int_in(1, 16384), default=256)
     parser.add_argument("--batch", type=int_in(1, 65_536), default=256)
     run(main, parser.parse_args())

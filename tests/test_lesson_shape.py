@@ -39,6 +39,9 @@ LONGER = {
         "its own launcher, its store keys, the failed step, the regroup, the join, the state sync",
     ),
     "primitives/hello_distributed.py": (120, "the whole set-up by hand, torchrun and spawn paths"),
+    # issue 53: a job that runs for days
+    "launch/preemption.py": (136, "the handler, the agreement, the atomic save, the exact resume"),
+    "launch/straggler.py": (105, "a clock on the device's timeline (CUDA events), the report"),
     "primitives/init_methods.py": (115, "four ways to form a group, each spelled out"),
     "transformer_basics/ring_attention.py": (
         148,

@@ -245,7 +245,7 @@ def test_the_crash_stages_run_on_cpu_and_a_native_crash_is_named(tmp_path):
     result = run_lesson("tests/gloo_cuda_crash.py", crash.SELFTEST, "--device", "cpu", nproc=2,
                         launcher="warm", timeout=60)  # fmt: skip
     verdict, summary = crash.read(crash.SELFTEST, result)
-    # a rank dies of SIGSEGV; the other too, or of the launcher's SIGTERM if it was slower
+    # rank 0 dies of SIGSEGV, rank 1 (asleep) of the launcher's SIGTERM
     codes = result.rank_codes or []
     assert verdict == "crashed" and -11 in codes and set(codes) <= {-11, -15}, str(result)
     assert "SIGSEGV at address 0x0 (in none of the stage's tensors)" in summary, summary

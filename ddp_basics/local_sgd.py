@@ -18,6 +18,8 @@ PeriodicModelAverager has no docs page; its docstring and code:
 """
 
 import copy
+import functools
+import os
 import time
 
 import torch
@@ -30,75 +32,107 @@ from launch.dist_setup import float_in, int_in, lesson_parser, print0, run
 from toy import MLP, flat, fp32_tolerance, make_data, spread
 
 
-def diloco_outer_step(model, outer, outer_opt):  # outer: the global weights, on every replica
-    for p, g in zip(model.parameters(), outer.parameters()):
-        g.grad = g.detach() - p.detach()  # pseudo-gradient: where this replica's H steps went
-        dist.all_reduce(g.grad, op=dist.ReduceOp.AVG)
-    outer_opt.step()  # Nesterov momentum, on the averaged pseudo-gradient
-    for p, g in zip(model.parameters(), outer.parameters()):
-        p.data.copy_(g.data)  # every replica starts again from the new global weights
+def local_step(model, opt, xb, yb):  # one step on this replica's own batch, no communication
+    opt.zero_grad()
+    F.cross_entropy(model(xb), yb).backward()
+    opt.step()
 
 
-def train(method, h, x, y, args, ctx):
-    torch.manual_seed(0)  # the same seed on every rank: every replica starts the same
-    model = MLP(args.width).to(ctx.device)
-    inner = AdamW if method in ("sync AdamW", "DiLoCo") else SGD  # plain SGD: no state
-    opt = inner(model.parameters(), lr=args.inner_lr if inner is AdamW else args.sgd_lr)
-    outer, mu = copy.deepcopy(model), args.outer_momentum  # DiLoCo's global weights, its optimizer
-    outer_opt = SGD(outer.parameters(), lr=args.outer_lr, momentum=mu, nesterov=True)
-    # warmup_steps=h-1: its counter starts at 0, so it averages after steps h, 2h, ... as ours does
-    averager = PeriodicModelAverager(period=h, warmup_steps=h - 1) if h > 1 else None
-    for step in range(args.steps):
-        lo = (step * ctx.world_size + ctx.rank) * args.batch  # this replica's own batch
-        xb, yb = x[lo : lo + args.batch].to(ctx.device), y[lo : lo + args.batch].to(ctx.device)
+def train_sync(model, opt, batches, h=1):  # as DDP: every gradient averaged, every step
+    for xb, yb in batches:
         opt.zero_grad()
         F.cross_entropy(model(xb), yb).backward()
-        for p in model.parameters() if method.startswith("sync") else []:  # DDP's every step
+        for p in model.parameters():
             dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
         opt.step()
-        if method == "torch averager":
-            averager.average_parameters(model.parameters())
-        elif method == "local SGD" and (step + 1) % h == 0:
+
+
+def train_local_sgd(model, opt, batches, h):  # h steps alone, then the weights averaged
+    for step, (xb, yb) in enumerate(batches, start=1):
+        local_step(model, opt, xb, yb)
+        if step % h == 0:
             for p in model.parameters():
                 dist.all_reduce(p.data, op=dist.ReduceOp.AVG)
-        elif method == "DiLoCo" and (step + 1) % h == 0:
-            diloco_outer_step(model, outer, outer_opt)
-    return model
+
+
+def train_with_averager(model, opt, batches, h):  # the same, with torch's averager
+    # warmup_steps=h-1: its counter starts at 0, so it averages after steps h, 2h, ... as ours does
+    averager = PeriodicModelAverager(period=h, warmup_steps=h - 1)
+    for xb, yb in batches:
+        local_step(model, opt, xb, yb)
+        averager.average_parameters(model.parameters())
+
+
+def train_diloco(model, opt, batches, h, outer_lr=0.7, outer_momentum=0.5):
+    outer = copy.deepcopy(model)  # the global weights, the same on every replica
+    outer_opt = SGD(outer.parameters(), lr=outer_lr, momentum=outer_momentum, nesterov=True)
+    for step, (xb, yb) in enumerate(batches, start=1):
+        local_step(model, opt, xb, yb)  # opt: the inner AdamW
+        if step % h == 0:
+            for p, g in zip(model.parameters(), outer.parameters()):
+                g.grad = g.detach() - p.detach()  # pseudo-gradient: where this replica went
+                dist.all_reduce(g.grad, op=dist.ReduceOp.AVG)
+            outer_opt.step()  # Nesterov momentum, on the averaged pseudo-gradient
+            for p, g in zip(model.parameters(), outer.parameters()):
+                p.data.copy_(g.data)  # every replica starts again from the new global weights
+
+
+def replica(inner, args, ctx):  # a model and its optimizer, the same on every rank
+    torch.manual_seed(0)
+    model = MLP(args.width).to(ctx.device)
+    return model, inner(model.parameters(), lr=args.inner_lr if inner is AdamW else args.sgd_lr)
 
 
 def main(args, ctx):
     bad = [h for h in args.sync_every if args.steps % h]  # an H above --steps never syncs
     ctx.require(not bad, f"--sync-every {bad} must divide --steps {args.steps}: end on a sync")
-    x, y = make_data(args.steps * ctx.world_size * args.batch, seed=0)  # the same on every rank
-    plan = [("sync SGD", 1), ("sync AdamW", 1)]
+    examples = args.steps * ctx.world_size * args.batch  # every rank builds them all
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / ctx.local_world_size
+    peak = 40 * examples  # bytes while make_data builds them (measured: see check())
+    need = f"{peak / 1e9:.1f} GB to build the data on every rank"
+    have = f"half of the {memory / 1e9:.1f} GB a rank has here"
+    ctx.require(peak <= memory / 2, f"--steps x --batch x ranks: {need}, over {have}")
+    x, y = make_data(examples, seed=0)  # the same on every rank
+    batches = []  # this replica's own: number step * N + rank of the data's batches, each step
+    for step in range(args.steps):
+        lo = (step * ctx.world_size + ctx.rank) * args.batch
+        xb, yb = x[lo : lo + args.batch], y[lo : lo + args.batch]
+        batches.append((xb.to(ctx.device), yb.to(ctx.device)))
+    diloco = functools.partial(
+        train_diloco, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum
+    )
+    plan = [("sync SGD", 1, train_sync, SGD), ("sync AdamW", 1, train_sync, AdamW)]
     for h in args.sync_every:  # torch's averager warns at H=1: that is DDP's job
-        plan += [("local SGD", h), ("DiLoCo", h)] + [("torch averager", h)] * (h > 1)
-    runs = measured(train, plan, x, y, args, ctx)  # (model, bytes sent, seconds) of each run
+        plan += [("local SGD", h, train_local_sgd, SGD), ("DiLoCo", h, diloco, AdamW)]
+        plan += [("torch averager", h, train_with_averager, SGD)] * (h > 1)
+    runs = measured(plan, batches, args, ctx)  # (model, bytes sent, seconds) of each run
     check(runs, x, y, args, ctx)
 
 
 # ---- The lesson ends here. What follows is how it checks itself. ----
 
 
-def measured(train, plan, x, y, args, ctx):
+def measured(plan, batches, args, ctx):
     """{(method, H): (model, bytes this rank handed to all_reduce in the run, seconds from one
-    barrier to the next)} for each run of the plan. torch.distributed.all_reduce is wrapped to add
-    up the bytes (the syncs above call it, PeriodicModelAverager too); an untimed run first pays the
-    one-time costs (allocations, threads, the first messages)."""
+    barrier to the next)} for each run of the plan, each from a fresh replica().
+    torch.distributed.all_reduce is wrapped to add up the bytes (the syncs above call it,
+    PeriodicModelAverager too); an untimed run first pays the one-time costs (allocations,
+    threads, the first messages)."""
     sent, plain_all_reduce, runs = [0], dist.all_reduce, {}
 
     def counting(tensor, *rest, **kwargs):
         sent[0] += tensor.numel() * tensor.element_size()
         return plain_all_reduce(tensor, *rest, **kwargs)
 
-    train(*plan[0], x, y, args, ctx)
-    for method, h in plan:
+    train_sync(*replica(SGD, args, ctx), batches)
+    for method, h, train, inner in plan:
+        model, opt = replica(inner, args, ctx)
         sent[0] = 0
         dist.barrier()
         start = time.perf_counter()
         dist.all_reduce = counting
         try:
-            model = train(method, h, x, y, args, ctx)
+            train(model, opt, batches, h)
         finally:
             dist.all_reduce = plain_all_reduce
         if ctx.device.type != "cpu":
@@ -116,14 +150,14 @@ def simulate(method, h, x, y, args, ctx):
     n, b = ctx.world_size, args.batch
     xd, yd = x.to(ctx.device), y.to(ctx.device)
 
-    def replica():
+    def fresh():
         torch.manual_seed(0)
         model = MLP(args.width).to(ctx.device)
         if method in ("sync AdamW", "DiLoCo"):
             return model, torch.optim.AdamW(model.parameters(), lr=args.inner_lr)
         return model, torch.optim.SGD(model.parameters(), lr=args.sgd_lr)
 
-    replicas = [replica() for _ in range(1 if method.startswith("sync") else n)]
+    replicas = [fresh() for _ in range(1 if method.startswith("sync") else n)]
     size = b * n if method.startswith("sync") else b
     outer, buf = flat(replicas[0][0]), None
     for step in range(args.steps):
@@ -161,10 +195,13 @@ def check(runs, x, y, args, ctx):
     """Per run: the weights against simulate(), their spread across ranks, the bytes against the
     parameters' (every sync sends each parameter once); then torch's averager and local SGD at H = 1
     against the hand-written runs they must equal. Both sides are float32 on one device and differ
-    by rounding only: 0 at 2 ranks, where the averages round alike; up to 1.5e-6 at 3 and 4 ranks
-    (Gloo adds the replicas in another order; torch's averager divides before its SUM), and 6e-6
-    for DiLoCo at H = 1, whose 96 outer steps on top of AdamW's grow that rounding (measured on a
-    CPU). --tol 1e-4; the mistakes tests/test_local_sgd.py makes in DiLoCo are off by 1e-2 to 1."""
+    by rounding only. With the defaults (python ddp_basics/local_sgd.py --nproc N, torch 2.13.0+cpu,
+    2-core CPU, load 13 to 17, 2026-11-28 19:13-19:40 UTC): at 2 ranks 0 for local SGD, DiLoCo and
+    the averager (an average of two rounds alike), 3.6e-7 and 7.9e-7 for sync (one model on both
+    batches against two gradients averaged); up to 1.5e-6 at 3 and 4 ranks (Gloo adds the replicas
+    in another order; torch's averager divides before its SUM), but 6.0e-6 for DiLoCo at H = 1 at 4,
+    whose 96 outer steps on top of AdamW's grow that rounding. --tol 1e-4; the mistakes
+    tests/test_local_sgd.py makes in DiLoCo are off by 1e-2 to 1."""
     tol, off, failures = fp32_tolerance(args.tol), off_simulation(runs, x, y, args, ctx), []
     params = list(runs["sync SGD", 1][0].parameters())
     full = sum(p.numel() * p.element_size() for p in params)
@@ -206,22 +243,19 @@ def check(runs, x, y, args, ctx):
     )
 
 
-def ints_in(low, high):
-    """An argparse type: a comma-separated list of integers, each in [low, high] (1,8,32)."""
-    one = int_in(low, high)
+def sync_periods(text):
+    """--sync-every's type: one H or several, comma-separated."""
+    return [int_in(1, 100_000)(part) for part in text.split(",")]
 
-    def parse(text):
-        return [one(part) for part in text.split(",")]
 
-    parse.__name__, parse.high = f"a comma-separated list of integers in [{low}, {high}]", high
-    return parse
-
+sync_periods.__name__ = "a comma-separated list of integers in [1, 100000]"
+sync_periods.high = 100_000  # --help shows the range
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     parser.add_argument(
         "--sync-every",
-        type=ints_in(1, 100_000),
+        type=sync_periods,
         default="1,8,32",
         help="H: steps between syncs for local SGD and DiLoCo, one value or several",
     )

@@ -4,18 +4,22 @@
     line = charts.xychart("busbw", "size", ["1 KiB", "4 KiB"], "GB/s", {"all_reduce": [0.5, 1.5]})
     charts.write(args.chart, line)  # rank 0; parser.add_argument("--chart", type=charts.path)
 
-Two of Mermaid's diagrams: `xychart-beta` (line charts) and `gantt` (timelines). xychart-beta
-draws no legend and has no log axis, so each chart lists its lines under it, in the order Mermaid
-colours them, and sizes that grow by a factor are categories, one per size, labelled by size,
-equally spaced. A gantt's times are integers in its date format: here microseconds, given to
-Mermaid as milliseconds (dateFormat x) and shown as such on the axis (%Q), so a span shorter than a
-millisecond still has a length. Standard library only: copy it beside launch/dist_setup.py.
+Two of Mermaid's diagrams: `xychart-beta` (line charts) and `gantt` (timelines). xychart-beta has
+no log axis, and draws a legend only when its config sets xyChart.showLegend (mermaid-js/mermaid
+PR #7724, merged 2026-05-07); GitHub renders with a Mermaid of its own, whose release we have not
+checked (a mermaid block holding `info` shows it). So these charts ask for no legend and list their
+lines under the chart, in the order Mermaid colours them, and sizes that grow by a factor are
+categories, one per size, labelled by size, equally spaced. A gantt's times are integers in its
+date format: here microseconds, given to Mermaid as milliseconds (dateFormat x) and shown as such
+on the axis (%Q), so a span shorter than a millisecond still has a length. Standard library only:
+copy it beside launch/dist_setup.py.
 Grammar: mermaid-js/mermaid, packages/mermaid/src/diagrams/{xychart,gantt}/parser/*.jison.
 """
 
 import argparse
 import math
 import os
+import tempfile
 
 FORBIDDEN = set('"%:;#`\n\r')  # a quote ends a string; %% starts a comment; : ; # end gantt text
 
@@ -86,12 +90,19 @@ def write(path, *parts):
 
 
 def path(value):
-    """An argparse type: a file path whose folder exists and is writable, or can be made."""
+    """An argparse type: a file to write, in a folder that takes a new file, or under one where
+    its folder can be made. Tried, not asked: os.access says yes to root even on /proc."""
+    if not value.strip() or value.endswith(("/", os.sep)) or os.path.isdir(value):
+        raise argparse.ArgumentTypeError(f"{value!r} is no file name: pass a path such as chart.md")
     where = os.path.dirname(os.path.abspath(value))
     while not os.path.exists(where):
         where = os.path.dirname(where)
-    if os.path.isdir(value) or not os.path.isdir(where) or not os.access(where, os.W_OK):
-        raise argparse.ArgumentTypeError(f"{value}: cannot write a chart there; pass another path")
+    try:
+        with tempfile.TemporaryFile(dir=where):  # made, then gone: nothing is left behind
+            pass
+    except OSError as error:
+        why = f"{value}: cannot write a chart there ({error.strerror}); pass another path"
+        raise argparse.ArgumentTypeError(why) from None
     return value
 
 

@@ -9,8 +9,10 @@
 
 Under torchrun, run() picks each rank's device (a GPU each and NCCL if every local rank has one,
 else CPU and Gloo), starts the process group with a bounded timeout, runs main and destroys the
-group on every path. Plain `python lesson.py --nproc N` starts N ranks through
-launch/local_ranks.py, imported only then.
+group on every path. On CPU a rank computes with (cores - 1) // (ranks on this machine) threads, at
+least 1: one core stays free, since a thread that waits for a core held by another busy process
+stalls every op of its rank (tools/cpu_threads.py measures it; on a machine of your own, drop the
+`- 1`). Plain `python lesson.py --nproc N` starts N ranks through launch/local_ranks.py.
 """
 
 import argparse
@@ -129,8 +131,8 @@ def run(main, args, init_process_group=True):
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     try:
         device, backend = choose_device(local_rank, local_world_size, args.backend, args.device)
-        if device.type == "cpu":  # N ranks share the cores rather than fight over them
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world_size))
+        if device.type == "cpu":  # the ranks share the cores but one: see the docstring
+            torch.set_num_threads(max(1, (len(os.sched_getaffinity(0)) - 1) // local_world_size))
         else:
             torch.accelerator.set_device_index(device.index)
         if init_process_group:  # device_id binds NCCL's communicator to this GPU (not Gloo's)

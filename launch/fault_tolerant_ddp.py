@@ -2,10 +2,12 @@
 
 N replicas train one small MLP, each on a batch of its own, gradients averaged by all_reduce over
 a Gloo group. At --kill-step replica --kill-rank SIGKILLs its own process. The survivors see their
-all_reduce fail, agree in the store on who is left, build a new Gloo group (generation g+1, ranks
-renumbered) and redo the failed step among themselves; --rejoin-after steps later a replacement
-joins and receives the weights and momentum by broadcast before its first step. A death is seen
-at once (the kernel closes its sockets); what closes none (a lost machine) only after --timeout.
+all_reduce fail, free the old group, agree in the store on who is left, build a new Gloo group
+(the next generation, ranks renumbered) and redo the failed step among themselves; --rejoin-after
+steps later a replacement joins and receives the weights and momentum by broadcast before its
+first step. A death is seen at once (the kernel closes the dead process's sockets, and each
+survivor closes its own by freeing the old group); what closes none (a lost machine) only after
+--timeout.
 
     python launch/fault_tolerant_ddp.py --nproc 3                  # the last replica dies at step 6
     python launch/fault_tolerant_ddp.py --nproc 4 --kill-rank 0 --kill-step 3
@@ -30,10 +32,23 @@ import torch.distributed as dist
 from launch.dist_setup import UsageError, float_in, int_in, lesson_parser
 
 
+# Every key of the store, in one place (gen: a generation, one group of replicas; rid: a replica's
+# id, never reused). The launcher writes gen 0's members, DEAD and JOINER; the replicas the rest.
+MEMBERS = "gen{gen}/members"  # generation gen's replica ids, in rank order (JSON)
+DEAD = "dead/{rid}"  # the launcher saw replica rid SIGKILLed
+JOINER = "joiner"  # the id of the replacement the launcher started
+GROUP = "gen{gen}/group"  # the prefix of the keys that generation gen's Gloo group makes
+HERE = "gen{gen}/here/{rid}"  # replica rid, a survivor, is ready for generation gen
+ADMITTED = "admitted/{rid}"  # the generation the replacement rid joins
+PROGRESS = "progress"  # steps completed: the launcher times the recovery by it
+STARTED = "gen{gen}/start"  # the step generation gen started at (for the check)
+FINAL = "final/{rid}"  # replica rid's final weights and momentum (for the check)
+
+
 def launch(args):
     timeout = datetime.timedelta(seconds=args.timeout)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
-    store.set("gen0/members", json.dumps(list(range(args.nproc))))
+    store.set(MEMBERS.format(gen=0), json.dumps(list(range(args.nproc))))
     forks = multiprocessing.get_context("forkserver")  # torch imported once, each replica forked
     multiprocessing.set_forkserver_preload(["torch"])
     procs = {}
@@ -51,11 +66,11 @@ def launch(args):
             if rid not in codes and p.exitcode is not None:
                 codes[rid] = p.exitcode
                 if p.exitcode == -signal.SIGKILL and args.nproc not in procs:
-                    store.set(f"dead/{rid}", "")  # survivors stop waiting for it
-                    store.set("joiner", str(args.nproc))  # a new id: the dead one's stays dead
+                    died = time.monotonic()  # within 10 ms of the death (this loop's sleep)
+                    store.set(DEAD.format(rid=rid), "")  # survivors stop waiting for it
+                    store.set(JOINER, str(args.nproc))  # a new id: the dead one's stays dead
                     start(args.nproc)
-                    died = time.monotonic()
-        if died and not resumed and int(store.get("progress")) > args.kill_step:
+        if died and not resumed and int(store.get(PROGRESS)) > args.kill_step:
             resumed = time.monotonic()  # the failed step, redone, has completed
         time.sleep(0.01)
     return store, codes, resumed - died if resumed else None
@@ -66,33 +81,37 @@ def replica(args, rid, port):
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
     torch.manual_seed(0)  # every replica builds the same model; a replacement is overwritten
     model, momenta = build()
-    # the replacement waits until the survivors admit it into generation g
-    g, step = (0, 0) if rid < args.nproc else (int(store.get(f"admitted/{rid}")), -1)
-    members = json.loads(store.get(f"gen{g}/members"))
+    # the replacement waits until the survivors admit it into generation gen
+    gen, step = (0, 0) if rid < args.nproc else (int(store.get(ADMITTED.format(rid=rid))), -1)
+    members = json.loads(store.get(MEMBERS.format(gen=gen)))
     while step < args.steps:
-        pg = dist.ProcessGroupGloo(
-            dist.PrefixStore(f"gen{g}", store), members.index(rid), len(members), timeout
-        )
+        group_store = dist.PrefixStore(GROUP.format(gen=gen), store)  # apart from older groups'
+        pg = dist.ProcessGroupGloo(group_store, members.index(rid), len(members), timeout)
         step = sync_state(model, momenta, pg, step)
-        store.set(f"gen{g}/start", str(step))  # for the check: which steps had which members
+        store.set(STARTED.format(gen=gen), str(step))  # for the check: which steps, which members
         admit = args.kill_step + args.rejoin_after if len(members) < args.nproc else args.steps
+        new = None
         try:
             while step < min(admit, args.steps):
                 if (rid, step) == (args.kill_rank, args.kill_step):
                     os.kill(os.getpid(), signal.SIGKILL)  # a real death: no exception, no exit
-                train_step(model, momenta, pg, store, g, args, step)
+                train_step(model, momenta, pg, args, step)
                 step += 1
-            new = members + [int(store.get("joiner"))] if step < args.steps else members
+                store.set(PROGRESS, str(step))
+            new = members + [int(store.get(JOINER))] if step < args.steps else members
         except RuntimeError as error:  # the all_reduce failed: the next group redoes this step
-            store.set(f"gen{g}/failed", "")  # tell the members still waiting in it
             why = str(error).split("] ", 1)[-1].split(". ")[0]  # Gloo's message, less its path
             sys.stdout.write(f"[replica {rid}] step {step} failed: {why}\n")
-            pg.abort()  # close its connections now rather than at its timeout
-            new = survivors(store, g, rid, members, args.timeout)
-        store.compare_set(f"gen{g + 1}/members", "", json.dumps(new))  # the first writer wins
-        old, members, g = members, json.loads(store.get(f"gen{g + 1}/members")), g + 1
+        # Free the group: its destructor closes its sockets, so a member still waiting in it for
+        # us fails now, not at its timeout. (pg.abort() does nothing on Gloo in torch 2.13.)
+        del pg
+        if new is None:
+            new = survivors(store, gen, rid, members, args.timeout)
+        store.compare_set(MEMBERS.format(gen=gen + 1), "", json.dumps(new))  # first writer wins
+        old, members = members, json.loads(store.get(MEMBERS.format(gen=gen + 1)))
+        gen += 1
         for joined in set(members) - set(old):
-            store.set(f"admitted/{joined}", str(g))
+            store.set(ADMITTED.format(rid=joined), str(gen))
     report(store, rid, model, momenta)
 
 
@@ -110,34 +129,29 @@ def sgd_step(model, momenta, lr):  # torch.optim.SGD(momentum=0.9), written out
 
 
 def batch(step, rank, size):  # each rank of each step draws its own batch
-    g = torch.Generator().manual_seed(10_000 * step + rank)
-    x = torch.randn(size, 8, generator=g, dtype=torch.float64, device="cpu")
+    rng = torch.Generator().manual_seed(10_000 * step + rank)
+    x = torch.randn(size, 8, generator=rng, dtype=torch.float64, device="cpu")
     return x, torch.sin(x.sum(1, keepdim=True))
 
 
-def train_step(model, momenta, pg, store, g, args, step):
+def train_step(model, momenta, pg, args, step):
     x, y = batch(step, pg.rank(), args.batch)
     model.zero_grad()
     torch.nn.functional.mse_loss(model(x), y).backward()
     flat = torch.cat([p.grad.flatten() for p in model.parameters()])
-    work = dist.all_reduce(flat, group=pg, async_op=True)
-    while not work.is_completed():  # a peer that saw the failure first says so in the store
-        if store.check([f"gen{g}/failed"]):
-            raise RuntimeError(f"generation {g} failed on another replica")
-        time.sleep(0.001)
-    work.wait()  # raises here if the all_reduce failed ("Connection reset by peer")
+    # raises at once if a member died (the kernel closed its sockets) or freed the group
+    dist.all_reduce(flat, group=pg)
     torch.nn.utils.vector_to_parameters(flat / pg.size(), [p.grad for p in model.parameters()])
     sgd_step(model, momenta, args.lr)  # after a completed all_reduce: a failed step changes nothing
-    store.set("progress", str(step + 1))  # the launcher times the recovery by it
 
 
-def survivors(store, g, rid, members, seconds):
+def survivors(store, gen, rid, members, seconds):
     """Who arrives, once the others are reported dead by the launcher, or after `seconds`."""
-    store.set(f"gen{g + 1}/here/{rid}", "")
+    store.set(HERE.format(gen=gen + 1, rid=rid), "")
     deadline = time.monotonic() + seconds
     while True:
-        here = [m for m in members if store.check([f"gen{g + 1}/here/{m}"])]
-        dead = [m for m in members if store.check([f"dead/{m}"])]
+        here = [m for m in members if store.check([HERE.format(gen=gen + 1, rid=m)])]
+        dead = [m for m in members if store.check([DEAD.format(rid=m)])]
         if len(here) + len(dead) == len(members) or time.monotonic() > deadline:
             return here
         time.sleep(0.005)
@@ -160,15 +174,16 @@ def sync_state(model, momenta, pg, step):
 def report(store, rid, model, momenta):
     buffer = io.BytesIO()
     torch.save([t.detach() for t in [*model.parameters(), *momenta]], buffer)
-    store.set(f"final/{rid}", buffer.getvalue())
+    store.set(FINAL.format(rid=rid), buffer.getvalue())
 
 
 def generations(store, steps):
     """[(first step, end step, members)] of every generation that took a step, from the store."""
-    gens, g = [], 0
-    while store.check([f"gen{g}/start"]):
-        gens.append((int(store.get(f"gen{g}/start")), json.loads(store.get(f"gen{g}/members"))))
-        g += 1
+    gens, gen = [], 0
+    while store.check([STARTED.format(gen=gen)]):
+        members = json.loads(store.get(MEMBERS.format(gen=gen)))
+        gens.append((int(store.get(STARTED.format(gen=gen))), members))
+        gen += 1
     ends = [start for start, _ in gens[1:]] + [steps]
     return [(s, e, m) for (s, m), e in zip(gens, ends) if e > s]
 
@@ -186,6 +201,13 @@ def replay(args, gens):
 
 
 def check(args, store, codes, recovery_s):
+    # Nothing in the regroup waits for --timeout: the death closes the dead replica's sockets, the
+    # survivors free the old group (closing theirs), the launcher reports the death at once
+    if recovery_s is not None and not recovery_s < args.timeout / 2:
+        raise RuntimeError(
+            f"recovery took {recovery_s:.2f} s, not under half of --timeout {args.timeout:g}: "
+            "a wait ran out its timeout instead of seeing the death"
+        )
     n, killed = args.nproc, args.kill_rank
     expected = {**{rid: 0 for rid in range(n + 1)}, killed: -signal.SIGKILL}
     if codes != expected:  # a replica missing: the launcher's deadline ended it
@@ -194,7 +216,7 @@ def check(args, store, codes, recovery_s):
     if [len(m) for _, _, m in gens] != [n, n - 1, n] or n not in gens[-1][2]:
         raise RuntimeError(f"generations {gens}: expected {n}, {n - 1}, {n} ranks (with {n})")
     live = gens[-1][2]
-    blobs = [io.BytesIO(store.get(f"final/{m}")) for m in live]
+    blobs = [io.BytesIO(store.get(FINAL.format(rid=m))) for m in live]
     finals = [torch.load(b, weights_only=True, map_location="cpu") for b in blobs]
     for m, state in zip(live, finals):
         if not all(torch.equal(a, b) for a, b in zip(state, finals[0])):
@@ -215,8 +237,12 @@ def refuse(args):
         raise UsageError(f"{why}: run python launch/fault_tolerant_ddp.py --nproc N")
     if args.nproc < 2:
         raise UsageError(f"--nproc {args.nproc}: needs 2 replicas or more (one dies, one goes on)")
-    if args.backend not in (None, "gloo") or args.device not in (None, "cpu"):
-        raise UsageError("Gloo groups on CPU tensors only; for NCCL see launch/README.md")
+    if args.backend not in (None, "gloo"):
+        raise UsageError(f"--backend {args.backend}: Gloo groups only; NCCL: see launch/README.md")
+    if args.device not in (None, "cpu"):
+        raise UsageError(f"--device {args.device}: CPU tensors only (Gloo); see launch/README.md")
+    if args.timeout < 2:  # the check wants a recovery under half of it: 0.1 s at most, measured
+        raise UsageError(f"--timeout {args.timeout:g}: use 2 s or more (see launch/README.md)")
     if args.kill_rank >= args.nproc:
         raise UsageError(f"--kill-rank {args.kill_rank}: there are replicas 0..{args.nproc - 1}")
     if args.kill_step + args.rejoin_after >= args.steps:

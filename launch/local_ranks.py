@@ -15,10 +15,12 @@ import sys
 import torch
 import torch.multiprocessing as mp
 
-# Imported once by the forkserver, so that each rank is forked with them already imported (about
-# 3 s of CPU per rank for torch on a small machine): those of them the lesson imported, and the
-# modules named in DIST_PRELOAD (comma-separated), for example torch._dynamo, which every
-# optimizer, DDP and DeviceMesh import in each rank (4 s of CPU per rank, torch 2.13).
+# Imported once by the forkserver, so that each rank is forked with them already imported: those
+# of them the lesson imported, and the modules named in DIST_PRELOAD (comma-separated), for example
+# torch._dynamo, which every optimizer, DDP and DeviceMesh import in each rank. Measured on the
+# idle 2-core machine, torch 2.13.0+cpu, 2026-11-26 (CONTRIBUTING.md, README.md): `import torch`
+# takes 2.9 to 3.5 CPU-s in a process; ddp_minimal.py at 4 ranks took 16.8 CPU-s, and 10.9 with
+# DIST_PRELOAD=torch._dynamo (about 2 CPU-s saved per rank beyond the server's own import).
 PRELOAD = ["torch", "numpy"] + [
     f"torch.distributed.{name}" for name in ("tensor", "fsdp", "checkpoint", "pipelining")
 ]

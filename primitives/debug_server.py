@@ -1,6 +1,6 @@
 """debug_server: a job hangs; read every rank's stack, live, from torch's debug server.
 
-start_debug_server() (torch 2.13, experimental; needs `pip install aiohttp jinja2 tabulate`) starts
+start_debug_server() (torch 2.13, experimental; needs `pip install aiohttp tabulate`) starts
 an HTTP server in every rank and, on rank 0, a front end (port 25999) whose pages ask every rank at
 once: /stacks, /fr_trace_json (flight records), /tcpstore. Both listen on every interface (README).
 Here --stuck-rank sleeps in step --hang-step and the others wait; rank 0's watchdog thread, once no
@@ -15,25 +15,34 @@ run(): init_process_group, main(args, ctx), destroy_process_group. --nproc: for 
 Docs: https://docs.pytorch.org/docs/stable/distributed.html (the server: pytorch PR #167395)
 """
 
-import importlib
 import inspect
 import json
 import os
 import re
+import socket
 import threading
 import time
 import urllib.request
+from importlib.util import find_spec
 
 import torch
 import torch.distributed as dist
 from torch.distributed.debug import start_debug_server, stop_debug_server
-from launch.dist_setup import float_in, int_in, lesson_parser, print0, run
+from launch.dist_setup import float_in, int_in, lesson_parser, run
 
 
 def main(args, ctx):
-    stuck = check_start(ctx, args)
-    missing = [name for name in ("aiohttp", "jinja2", "tabulate") if not importable(name)]
-    ctx.require(not missing, f"needs {' '.join(missing)}: pip install aiohttp jinja2 tabulate")
+    stuck = ctx.world_size - 1 if args.stuck_rank is None else args.stuck_rank
+    ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: one hangs, the others wait for it")
+    ctx.require(stuck < ctx.world_size, f"--stuck-rank must be a rank below {ctx.world_size}")
+    ctx.require(args.hang_step < args.steps, f"--hang-step must be below --steps {args.steps}")
+    ctx.require(args.late < args.stall < args.timeout, "needs --late < --stall < --timeout")
+    # the front end's packages (jinja2 comes with torch; the other two do not)
+    missing = [name for name in ("aiohttp", "jinja2", "tabulate") if find_spec(name) is None]
+    ctx.require(not missing, f"needs {' '.join(missing)}: pip install {' '.join(missing)}")
+    taken = torch.tensor([ctx.rank == 0 and port_taken(args.port)], device=ctx.device)
+    dist.broadcast(taken, src=0)  # the front end listens on rank 0's machine: its verdict
+    ctx.require(not taken.item(), f"--port {args.port} is in use on rank 0's machine: pass another")
     # Every rank: a worker server (a free port). Rank 0 also: the front end, a process of its own,
     # spawned: a fresh interpreter rather than a fork of a rank that runs the group's threads
     start_debug_server(port=args.port, start_method="spawn")
@@ -55,8 +64,30 @@ def main(args, ctx):
         done.set()
         watch.join()
         stop_debug_server()  # rank 0 only: on the others it raises (it stops the front end)
-        check_report(report, stuck, args, sums, ctx.world_size)
-    print0(f"OK: the debug server's pages named rank {stuck}, the rank asked to hang, live")
+        check_report(report, args, sums, ctx.world_size)
+
+
+def port_taken(port):
+    """Whether the front end could not listen on `port`: it binds ("", port) on IPv6, as here."""
+    with socket.socket(socket.AF_INET6) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Python's HTTP server does
+        try:
+            s.bind(("", port))
+        except OSError:
+            return True
+    return False
+
+
+def wait_until_up(url, timeout):
+    """Wait until the front end answers: the hang must not be over before it can be read."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return urllib.request.urlopen(url, timeout=timeout).close()
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the debug server's front end did not answer {url}") from None
+            time.sleep(0.2)
 
 
 def load_batch(step, args, stalls):
@@ -103,42 +134,12 @@ def waits_at(stacks):
     return "no thread of this file in main"
 
 
-# ---- The lesson ends here. What follows is how it checks itself. ----
-
-
-def importable(name):
-    try:
-        importlib.import_module(name)
-        return True
-    except ImportError:
-        return False
-
-
-def wait_until_up(url, timeout):
-    """Wait until the front end answers: the hang must not be over before it can be read."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return urllib.request.urlopen(url, timeout=timeout).close()
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the debug server's front end did not answer {url}") from None
-            time.sleep(0.2)
-
-
-def check_start(ctx, args):
-    """The rank that hangs; refuse what the lesson cannot show."""
-    stuck = ctx.world_size - 1 if args.stuck_rank is None else args.stuck_rank
-    ctx.require(ctx.world_size >= 2, "needs at least 2 ranks: one hangs, the others wait for it")
-    ctx.require(stuck < ctx.world_size, f"--stuck-rank must be a rank below {ctx.world_size}")
-    ctx.require(args.hang_step < args.steps, f"--hang-step must be below --steps {args.steps}")
-    ctx.require(args.late < args.stall < args.timeout, "needs --late < --stall < --timeout")
-    return stuck
-
-
 def source(path, line):
     with open(path) as f:
         return f.read().splitlines()[int(line) - 1].split("  #")[0].strip()
+
+
+# ---- The lesson ends here. What follows is how it checks itself. ----
 
 
 def line_of(function, text):
@@ -147,7 +148,8 @@ def line_of(function, text):
     return first + next(i for i, line in enumerate(lines) if text in line)
 
 
-def check_report(report, stuck, args, sums, world):
+def check_report(report, args, sums, world):
+    stuck = world - 1 if args.stuck_rank is None else args.stuck_rank  # what the reader asked for
     if not report:
         raise RuntimeError(
             f"the watchdog read no pages while rank {stuck} slept {args.stall:g}s: the front end "
@@ -160,7 +162,7 @@ def check_report(report, stuck, args, sums, world):
     if sorted(lines) != list(range(world)):
         raise RuntimeError(f"the stacks page shows ranks {sorted(lines)} of {world}")
     if report["behind"] != stuck:
-        raise RuntimeError(f"the pages name rank {report['behind']}; rank {stuck} was stuck")
+        raise RuntimeError(f"the pages name rank {report['behind']}; rank {stuck} was to hang")
     wrong = {
         r: line
         for r, line in lines.items()
@@ -168,13 +170,14 @@ def check_report(report, stuck, args, sums, world):
     }
     if wrong:
         raise RuntimeError(f"rank {stuck} sleeps at {sleeps}, the others wait in main: {wrong}")
-    issued = report["issued"]
+    issued, first = report["issued"], 1  # the port check's broadcast, then the steps' all_reduces
     others = {issued[r] for r in issued if r != stuck}
-    if issued[stuck] != args.hang_step or others != {args.hang_step + 1}:
+    if issued[stuck] != first + args.hang_step or others != {first + args.hang_step + 1}:
         raise RuntimeError(f"collectives issued per rank {issued}: stuck in {args.hang_step}")
     want = [float(step * args.size * world) for step in range(args.steps)]
     if sums != want:
         raise RuntimeError(f"the all_reduce sums {sums}, expected {want}")
+    print(f"OK: the debug server's pages named rank {stuck}, the rank asked to hang, live")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from launch.dist_setup import float_in, int_in, lesson_parser, print0, print_rank, run
+from launch.dist_setup import float_in, int_in, lesson_parser, print_rank, run
 
 FAULTS = ["skip", "order", "size"]
 
@@ -57,8 +57,7 @@ def main(args, ctx):
     dist.barrier()  # every rank's dump is written
     if ctx.rank == 0:
         analysis = torch_analyzer(dump_dir[0])
-        check_reading(jobs, analysis, culprit, args, ctx.world_size, dump_dir[0])
-    print0(f"OK: the flight record names the culprit, rank {culprit}, and its collective")
+        check_reading(jobs, analysis, args, ctx.world_size, dump_dir[0])
 
 
 def train(group, steps, size, fault, device):
@@ -155,7 +154,8 @@ def analyzer_blocks(analysis):
     return found
 
 
-def check_reading(jobs, analysis, culprit, args, world, dump_dir):
+def check_reading(jobs, analysis, args, world, dump_dir):
+    culprit = world - 1 if args.culprit is None else args.culprit  # what the reader asked for
     keys = ("Collective sequence", "Not all ranks", "group info", "error msg", "missing ranks")
     print(f"$ torchfrtrace {dump_dir} --prefix rank_", flush=True)
     print("\n".join(line[:160] for line in analysis if line.startswith(keys)), flush=True)
@@ -181,6 +181,7 @@ def check_reading(jobs, analysis, culprit, args, world, dump_dir):
         split = ({culprit}, set(range(world)) - {culprit})
         if torch_says.get(f"job_{fault}", (None, None)) not in [(seq, s) for s in split]:
             raise RuntimeError(f"{fault}: torchfrtrace says {torch_says.get(f'job_{fault}')}")
+    print(f"OK: the flight record names the culprit, rank {culprit}, and its collective")
 
 
 if __name__ == "__main__":
@@ -192,7 +193,7 @@ if __name__ == "__main__":
         default=None,
         help="the rank that goes wrong (default: the last)",
     )
-    parser.add_argument("--steps", type=int_in(1, 100), default=3, help="steps of the job")
+    parser.add_argument("--steps", type=int_in(1, 100), default=3, help="steps of each job")
     parser.add_argument("--size", type=int_in(2, 1_000_000), default=4, help="elements reduced")
     parser.add_argument(
         "--hang-timeout",
@@ -201,4 +202,10 @@ if __name__ == "__main__":
         help="seconds a collective of the job waits before it fails",
     )
     args = parser.parse_args()
+    if args.steps == 1 and args.fault in ("skip", "all"):  # its culprit records no collective
+        parser.error(f"--steps 1 with --fault {args.fault}: skip needs --steps 2 or more")
+    if args.hang_timeout > args.timeout / 2:  # the barrier between two jobs waits out each hang
+        parser.error(
+            f"--hang-timeout {args.hang_timeout:g}: at most half of --timeout {args.timeout:g}"
+        )
     run(main, args)

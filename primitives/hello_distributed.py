@@ -52,8 +52,8 @@ def worker(args):
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:  # N ranks on one machine share its cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+    else:  # N ranks on one machine share its cores but one (launch/dist_setup.py says why)
+        torch.set_num_threads(max(1, ((os.cpu_count() or 1) - 1) // local_world_size))
 
     # 3. Join the group: init_method "env://" reads MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE.
     #    The timeout bounds every collective, so a missing peer is an error, not a hang.

@@ -7,6 +7,7 @@ modules of its folder and launch/dist_setup.py. For each copy, in this one proce
 imported once for all):
 - every import statement of the lesson and its modules, in functions too, names a module found in
   the copy or outside REPOSITORY (statically: an import that only a later step would reach counts);
+  packages installed in a venv inside REPOSITORY (torch in .venv/lib/...) count as outside;
 - `lesson.py --help` exits 0 with a usage text, and no module was loaded from REPOSITORY;
 - a lesson that calls dist_setup's run() and is started with plain python and no launcher ends
   with one line that says to use torchrun, and no rank is started.
@@ -62,6 +63,18 @@ def run_script(path, argv, env_drop=()):
     return code, out.getvalue()
 
 
+def from_repository(path, repository):
+    """A file of the repository itself: under it, and not under a directory of this interpreter's
+    sys.path that lies inside it (a venv in the checkout holds torch there). The repository itself,
+    or a folder above it, on sys.path exempts nothing: a copy that imports through it is caught."""
+    installed = [
+        entry + os.sep
+        for entry in sys.path[1:]  # [0]: the copy
+        if entry and (entry + os.sep).startswith(repository) and entry + os.sep != repository
+    ]
+    return path.startswith(repository) and not path.startswith(tuple(installed))
+
+
 def check(copy, repository, copies):
     problems = []
     name, *plain_args = open(os.path.join(copy, "lesson.txt")).read().split()
@@ -79,7 +92,7 @@ def check(copy, repository, copies):
             origin = (getattr(spec, "origin", None) or "") if spec else ""
             if spec is None:
                 problems.append(f"{name}: `import {module}` finds nothing in the copy")
-            elif origin.startswith(repository):
+            elif from_repository(origin, repository):
                 problems.append(f"{name}: `import {module}` finds {origin}")
     code, out = run_script(lesson, ["--help"])
     if code not in (0, None) or "usage:" not in out:
@@ -90,7 +103,7 @@ def check(copy, repository, copies):
         if not (isinstance(code, str) and code.startswith("error:") and "torchrun" in code):
             problems.append(f"plain python: exit {code!r}, printed {out[-300:]!r}")
     loaded = [m.__file__ for m in list(sys.modules.values()) if getattr(m, "__file__", None)]
-    problems += [f"loaded {path}" for path in loaded if path.startswith(repository)]
+    problems += [f"loaded {path}" for path in loaded if from_repository(path, repository)]
     return problems
 
 

@@ -87,6 +87,24 @@ def free_port(hold=True):
         return s.getsockname()[1]
 
 
+def repository_files(name):
+    """The repository's files called `name`, in every folder but hidden ones (.git, .venv) and
+    venvs of any name (a folder holding pyvenv.cfg, or conda-meta for conda), whose packages bring
+    READMEs and Python files of their own."""
+    found = []
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = sorted(
+            d
+            for d in dirs
+            if not d.startswith(".")
+            and not os.path.exists(os.path.join(folder, d, "pyvenv.cfg"))
+            and not os.path.isdir(os.path.join(folder, d, "conda-meta"))
+        )
+        if name in files:
+            found.append(Path(folder) / name)
+    return found
+
+
 def lesson_env(extra=None):
     env = {
         k: v

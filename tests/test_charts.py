@@ -7,16 +7,22 @@ draw, and hold the numbers the lesson printed in the same run.
 - Each lesson that draws, in a short run with --chart: every block of the file parses, and its
   numbers are those printed (busbw per size, GiB per rank, the timelines' ms). (train.py drew its
   losses until issue 50: its copy is five files, launch/charts.py not among them.)
+- benchmark_collectives' chart at 3 ranks, where busbw and algbw differ, and a copy of it that
+  draws algbw under busbw's title fails that comparison.
 - A path the chart cannot be written to is refused by argparse, before any rank starts (parsed
-  in this process).
+  in this process), for each of the four lessons that draw.
+- tools/merge_charts.py: the lines of several runs in one chart; a file it cannot read (missing,
+  not text, no chart, a value edited into something that is no number) is refused in one line.
 Every run is small (tiny sizes, few steps) and goes through the warm launcher.
 """
 
+import json
 import re
+import sys
 
 import pytest
 
-from harness import ROOT, assert_ok, run_lesson
+from harness import ROOT, assert_ok, mutant, run_command, run_lesson
 from lesson_cli import lesson_parser
 from lesson_cli import parse as parse_flags
 from mermaid_check import MermaidError, blocks, parse
@@ -116,13 +122,19 @@ DRAWING = [
 @pytest.mark.parametrize("lesson", DRAWING)
 def test_a_path_that_cannot_be_written_is_refused_up_front(lesson, tmp_path):
     """By argparse (in this process, as tests/test_flags.py does): one error line, exit 2, before
-    any rank starts; nothing is written. A folder that does not exist yet is fine (rank 0 makes
-    it)."""
+    any rank starts; nothing is written. Refused: a path under a file, under a folder where even
+    root cannot make a file (/proc: os.access says yes to root), a folder, a name ending in /, an
+    empty string. A folder that does not exist yet is fine (rank 0 makes it)."""
     (tmp_path / "file").write_text("")
     parser = lesson_parser(lesson)
-    for bad in (tmp_path / "file" / "c.md", tmp_path):
+    cannot = [tmp_path / "file" / "c.md", "/proc/c.md"]
+    no_name = [tmp_path, f"{tmp_path}/new/", "", " "]
+    for bad, why in [(p, "cannot write a chart there") for p in cannot] + [
+        (p, "is no file name") for p in no_name
+    ]:
         code, output, _ = parse_flags(parser, ["--chart", bad])
-        assert code == 2 and "argument --chart" in output and "cannot write a chart" in output
+        lines = output.strip().splitlines()
+        assert code == 2 and "argument --chart" in lines[-1] and why in lines[-1], (bad, output)
     code, _, args = parse_flags(parser, ["--chart", tmp_path / "new" / "c.md"])
     assert code == 0 and args.chart == str(tmp_path / "new" / "c.md")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
@@ -131,21 +143,60 @@ def test_a_path_that_cannot_be_written_is_refused_up_front(lesson, tmp_path):
 # ---- each lesson's chart against what it printed ----
 
 
-def test_benchmark_collectives_chart(tmp_path):
-    args = ["--ops", "all_reduce,all_gather", "--max-bytes", "16K", "--iters", "1", "--warmup", "0"]
-    result = run_lesson(
-        "primitives/benchmark_collectives.py", *args, "--chart", tmp_path / "c.md",
-        launcher="warm", timeout=T,
-    )  # fmt: skip
+BENCHMARK = "primitives/benchmark_collectives.py"
+# 3 ranks: busbw is algbw x 4/3 for all_reduce, x 2/3 for all_gather (at 2 ranks all_reduce's are
+# equal); sizes from 64 KiB, so that the GB/s of a loaded CPU show in the chart's 3 decimals (at
+# 1 to 16 KiB both columns read 0.000 and a chart of either passed)
+BENCHMARK_ARGS = ["--ops", "all_reduce,all_gather", "--min-bytes", "64K", "--max-bytes", "1M"]
+BENCHMARK_ARGS += ["--iters", "1", "--warmup", "0"]
+
+
+def busbw_chart_problems(result, folder):
+    """What is wrong with the chart of a run: its title says busbw, so its lines must be the busbw
+    the run printed (and saved in --json), not another column."""
+    rows = json.loads((folder / "rows.json").read_text())
+    (chart,) = one_chart(folder / "c.md")
+    printed = re.findall(
+        r"^ +(\w+) +(\d+) +\d+ +[\d.]+ +([\d.]+) +([\d.]+) +ok$", result.stdout, re.M
+    )
+    problems = []
+    if chart["title"].split(",")[0] != "busbw" or chart["y_title"] != "busbw (GB/s)":
+        problems.append(f"titles {chart['title']!r}, {chart['y_title']!r}")
+    ops = ("all_reduce", "all_gather")
+    sizes = sorted({r["bytes"] for r in rows})
+    if chart["x"] != [charts.size_label(b) for b in sizes]:
+        problems.append(f"sizes {chart['x']}")
+    want = {op: [float(f"{r['busbw_GBps']:.3f}") for r in rows if r["op"] == op] for op in ops}
+    if {name: values for _, name, values in chart["lines"]} != want:
+        problems.append(f"lines {chart['lines']}, busbw {want}")
+    if [float(bus) for *_, bus in printed] != [v for op in ops for v in want[op]]:
+        problems.append(f"printed busbw {printed}, saved {want}")
+    for op in ops:  # the run can tell the two columns apart, or this check proves nothing
+        pairs = [
+            (f"{r['algbw_GBps']:.3f}", f"{r['busbw_GBps']:.3f}") for r in rows if r["op"] == op
+        ]
+        assert any(a != b for a, b in pairs), f"{op}: algbw and busbw alike at 3 decimals: {pairs}"
+    return problems
+
+
+def run_benchmark(lesson, folder):
+    out = ["--json", folder / "rows.json", "--chart", folder / "c.md"]
+    result = run_lesson(lesson, *BENCHMARK_ARGS, *out, nproc=3, launcher="warm", timeout=T)
     assert_ok(result)
-    rows = re.findall(r"^ +(\w+) +(\d+) +\d+ +[\d.]+ +[\d.]+ +([\d.]+) +ok$", result.stdout, re.M)
-    (chart,) = one_chart(tmp_path / "c.md")
-    sizes = sorted({int(b) for _, b, _ in rows})
-    assert chart["x"] == [charts.size_label(b) for b in sizes] == ["1 KiB", "4 KiB", "16 KiB"]
-    printed = {
-        op: [float(bw) for o, _, bw in rows if o == op] for op in ("all_reduce", "all_gather")
-    }
-    assert {name: values for _, name, values in chart["lines"]} == printed
+    return result
+
+
+def test_benchmark_collectives_chart(tmp_path):
+    result = run_benchmark(BENCHMARK, tmp_path)
+    assert busbw_chart_problems(result, tmp_path) == []
+
+
+def test_a_chart_of_another_column_than_its_title_fails(tmp_path):
+    """algbw drawn under busbw's title, in a copy of the lesson: the check above sees it."""
+    change = ('r["op"]: [q["busbw_GBps"] for q', 'r["op"]: [q["algbw_GBps"] for q')
+    result = run_benchmark(mutant(tmp_path, BENCHMARK, change), tmp_path)
+    problems = busbw_chart_problems(result, tmp_path)
+    assert [p.split()[0] for p in problems] == ["lines"], problems
 
 
 def test_fsdp_memory_plan_chart(tmp_path):
@@ -261,3 +312,44 @@ def test_merged_loss_charts_hold_each_runs_numbers(tmp_path):
     charts.write(tmp_path / "other.md", charts.xychart("t", "step", ["0", "5", "19"], "y", lines))
     with pytest.raises(SystemExit, match="x categories differ"):
         merge([tmp_path / "none.md", tmp_path / "other.md"])
+
+
+def merge_files(tmp_path):
+    """Two runs' chart files, as --chart writes them."""
+    steps = ["0", "10", "19"]
+    for name, losses in (("none", [5.5, 3.25, 2.5]), ("ddp", [5.5, 3.251, 2.498])):
+        line = charts.xychart(f"loss, {name}", "step", steps, "loss", {f"loss, {name}": losses})
+        charts.write(tmp_path / f"{name}.md", line)
+    return tmp_path / "none.md", tmp_path / "ddp.md"
+
+
+BAD_FILES = {
+    "missing": (None, "No such file or directory"),
+    "random-bytes": (bytes(range(128, 256)), "not text (UTF-8)"),
+    "no-chart": (b"# notes\n", "no line chart (xychart-beta) in it"),
+    "value-edited": (("2.498", "2.4g8"), "'2.4g8' is not a number"),
+    "value-removed": (("5.500, 3.251, 2.498", "5.500, 3.251"), "a line's values are not one per x"),
+    "quote-removed": (('line "loss, ddp"', 'line "loss, ddp'), "cannot read 'line"),
+    "title-with-a-colon": (('title "loss, ddp"', 'title "loss: ddp"'), "a chart text must be"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_FILES)
+def test_merge_charts_refuses_a_file_it_cannot_read_in_one_line(case, tmp_path):
+    first, second = merge_files(tmp_path)
+    content, message = BAD_FILES[case]
+    if content is None:
+        second.unlink()
+    elif isinstance(content, bytes):
+        second.write_bytes(content)
+    else:
+        old, new = content
+        assert old in second.read_text(), second.read_text()
+        second.write_text(second.read_text().replace(old, new))
+    out = tmp_path / "merged" / "out.md"
+    command = [sys.executable, ROOT / "tools" / "merge_charts.py", first, second, "--out", out]
+    result = run_command(command, timeout=60)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and len(lines) == 1 and message in lines[0], str(result)
+    assert lines[0].startswith("error: ") and "Traceback" not in result.stderr, str(result)
+    assert not out.parent.exists(), "nothing written"

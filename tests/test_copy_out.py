@@ -7,7 +7,9 @@ outside the repository.
 The copies run in an interpreter that cannot see this repository: a venv without pip whose only
 path to other packages is a .pth line per directory that holds torch, numpy or tqdm (a path line
 adds the directory; the .pth files in it, such as the editable install's finder of `launch`, are
-not run), with no PYTHONPATH.
+not run), with no PYTHONPATH. That directory may lie anywhere, in a venv inside the checkout too
+(.venv/lib/python3.X/site-packages): copy_check.py counts a module found there as outside the
+repository, and any other file under the checkout as the repository's.
 - Every lesson (tests/lesson_cli.lessons(), so a new lesson is covered), all in one process
   (tests/copy_check.py): its imports resolve inside the copy or outside the repository, `--help`
   works, and plain `python lesson.py` says in one line to use torchrun.
@@ -98,7 +100,10 @@ def python(tmp_path_factory):
     import tqdm
 
     where = {os.path.dirname(os.path.dirname(m.__file__)) for m in (torch, numpy, tqdm)}
-    assert not any(w.startswith(str(ROOT)) for w in where), where
+    # Anywhere (a venv inside the checkout too), but not the checkout or a folder above it: the copy
+    # would then see this repository's launch/ through packages.pth, and the check would pass
+    # however a copy imported it.
+    assert not any(ROOT.is_relative_to(w) for w in where), where
     site = sysconfig.get_path("purelib", vars={"base": str(venv), "platbase": str(venv)})
     (venv / "lib").mkdir(exist_ok=True)
     os.makedirs(site, exist_ok=True)

@@ -4,9 +4,11 @@
   its watchdog thread reads the pages while its main thread sleeps); the watchdog's lines name the
   stuck rank and the line where each rank waits.
 - The mistakes the check must catch, each a source mutation of a copy (tests/harness.mutant): the
-  rank ahead named instead of the rank behind; the sleep put on another rank than the one asked.
+  rank ahead named instead of the rank behind; the sleep put on another rank than the one asked;
+  --stuck-rank ignored (the check compares with what the reader asked, not with what main made of
+  it).
 - Refusals in one line on every rank: 1 rank; --late not below --stall; the front end's packages
-  missing (jinja2 hidden from the ranks).
+  missing (tabulate hidden from the ranks); a --port another program listens on.
 - The page in a real browser: headless Chromium opens the front end's /stacks while the job hangs,
   saves a screenshot and dumps the DOM after the page ran; the stuck rank's section shows its sleep
   line, the others' their all_reduce. Skipped with its reason where Chromium is missing
@@ -20,6 +22,7 @@ import os
 import queue
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -93,7 +96,7 @@ def test_the_pages_name_the_stuck_rank(nproc, launcher, stuck):
     )
     for rank in range(nproc):
         at = SLEEP if rank == stuck else ALL_REDUCE
-        issued = 2 if rank == stuck else 3  # --hang-step 2: two all_reduces, then the third
+        issued = 3 if rank == stuck else 4  # a broadcast, --hang-step 2 all_reduces, the third
         want = f"[watchdog] rank {rank}: issued collective #{issued}, waits at {at}: "
         assert want in result.stdout, result
 
@@ -102,12 +105,23 @@ MISTAKES = {
     # the rank that issued the most collectives named: the one ahead, not the one behind
     "the-rank-ahead-named": (
         ("behind=min(issued, key=issued.get)", "behind=max(issued, key=issued.get)"),
-        "the pages name rank 0; rank 1 was stuck",
+        "the pages name rank 0; rank 1 was to hang",
+        (),
     ),
     # the sleep on rank 0 whatever --stuck-rank says: the pages name rank 0, the reader asked 1
     "another-rank-stalled": (
         ("stalls=ctx.rank == stuck", "stalls=ctx.rank == 0"),
-        "the pages name rank 0; rank 1 was stuck",
+        "the pages name rank 0; rank 1 was to hang",
+        (),
+    ),
+    # --stuck-rank ignored: the last rank hangs, and main's `stuck` agrees with it
+    "stuck-rank-ignored": (
+        (
+            "stuck = ctx.world_size - 1 if args.stuck_rank is None else args.stuck_rank",
+            "stuck = ctx.world_size - 1",
+        ),
+        "the pages name rank 1; rank 0 was to hang",
+        ("--stuck-rank", "0"),
     ),
 }
 
@@ -115,9 +129,9 @@ MISTAKES = {
 @needs_packages
 @pytest.mark.parametrize("mistake", MISTAKES)
 def test_mistakes_fail_the_check(mistake, tmp_path):
-    change, message = MISTAKES[mistake]
+    change, message, args = MISTAKES[mistake]
     copy = mutant(tmp_path, LESSON, change)
-    result = run_lesson(copy, "--port", port(), *STALL, nproc=2, launcher="warm", timeout=T)
+    result = run_lesson(copy, "--port", port(), *STALL, *args, nproc=2, launcher="warm", timeout=T)
     assert_fails(result, message)
 
 
@@ -131,21 +145,39 @@ def test_one_rank_and_a_watchdog_slower_than_the_hang_are_refused():
     assert_fails(result, "needs --late < --stall < --timeout", within=2)
 
 
-# Each rank runs the lesson with jinja2 made unimportable (None in sys.modules: `import jinja2`
-# raises ImportError), as in an environment where only requirements.txt was installed.
-WITHOUT_JINJA2 = """
-    import runpy, sys
-    sys.modules["jinja2"] = None
+# Each rank runs the lesson with tabulate made unfindable (its spec None: find_spec says so), as in
+# an environment where only requirements.txt was installed (jinja2 comes with torch: its METADATA).
+WITHOUT_TABULATE = """
+    import importlib.util, runpy, sys
+    find_spec = importlib.util.find_spec
+    importlib.util.find_spec = lambda name, *a: None if name == "tabulate" else find_spec(name, *a)
     sys.argv = [LESSON, *sys.argv[1:]]
     runpy.run_path(LESSON, run_name="__main__")
 """
 
 
+@needs_packages
 def test_missing_packages_are_named_with_the_command_that_installs_them(tmp_path):
-    wrapper = tmp_path / "without_jinja2.py"
-    wrapper.write_text(textwrap.dedent(WITHOUT_JINJA2).replace("LESSON", repr(str(ROOT / LESSON))))
+    wrapper = tmp_path / "without_tabulate.py"
+    wrapper.write_text(
+        textwrap.dedent(WITHOUT_TABULATE).replace("LESSON", repr(str(ROOT / LESSON)))
+    )
     result = run_lesson(wrapper, "--port", port(), nproc=2, launcher="warm", timeout=60)
-    assert_fails(result, "error: needs jinja2: pip install aiohttp jinja2 tabulate", within=2)
+    assert_fails(result, "error: needs tabulate: pip install tabulate", within=2)
+    assert "Traceback" not in result.output, result
+
+
+@needs_packages
+def test_a_port_in_use_is_refused_on_every_rank(tmp_path):
+    """Another program listens on --port: refused before the front end starts (which would die,
+    and rank 0 would wait out its --timeout for it), one line on every rank, nothing written."""
+    with socket.socket(socket.AF_INET6) as other:
+        other.bind(("::1", 0))
+        other.listen()
+        held = other.getsockname()[1]
+        result = run_lesson(LESSON, "--port", str(held), nproc=2, launcher="warm", timeout=60)
+    assert_fails(result, f"--port {held} is in use on rank 0's machine: pass another", within=2)
+    assert "Traceback" not in result.output, result
 
 
 # ---- the page in a browser ------------------------------------------------------------------

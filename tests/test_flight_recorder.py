@@ -2,7 +2,10 @@
 records, by the lesson's own reading and by torch's analyzer, at 2, 3 and 4 ranks.
 
 The mistakes that the check must catch (the wrong rank singled out, the fault made on another rank
-than the lesson thinks) are rows of tests/test_mutations.py.
+than the lesson thinks, --culprit ignored) are rows of tests/test_mutations.py. What cannot work is
+refused in one line on every rank: a culprit outside the world, --steps 1 for the skip fault (its
+culprit records no collective), a hang longer than half the default group's timeout (the barrier
+between two jobs waits it out).
 """
 
 import textwrap
@@ -35,6 +38,19 @@ def test_every_fault_names_its_culprit(nproc, launcher, args):
 def test_a_culprit_outside_the_world_is_one_line():
     result = run_lesson(LESSON, "--culprit", "3", nproc=2, launcher="warm", timeout=60)
     assert_fails(result, "--culprit must be a rank below 2", within=2)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--steps", "1"), "--steps 1 with --fault all: skip needs --steps 2 or more"),
+        (("--hang-timeout", "40"), "--hang-timeout 40: at most half of --timeout 60"),
+    ],
+)
+def test_what_cannot_work_is_refused_in_one_line(args, message):
+    result = run_lesson(LESSON, *args, nproc=2, launcher="warm", timeout=60)
+    assert_fails(result, message, within=2)
+    assert "Traceback" not in result.output, result
 
 
 # The lesson under a default group that says it is NCCL (as on a GPU node, where dist_setup picks

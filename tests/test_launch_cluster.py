@@ -1,6 +1,7 @@
 """The launchers that need a real cluster, run for real on this machine: a single-node
 Slurm cluster (munged, slurmctld, slurmd started here with a config of our own) that runs
-launch/slurm.sbatch, and two "hosts" in network namespaces (launch/netns_two_hosts.sh).
+launch/slurm.sbatch and launch/preemption.sbatch (a signal, a requeue, a resume), and two "hosts"
+in network namespaces (launch/netns_two_hosts.sh).
 Both need root; .ci/install_system_packages.sh installs the packages. Without them the
 tests skip and say why."""
 
@@ -145,6 +146,64 @@ def test_slurm_batch_job_with_a_missing_lesson_fails_in_one_line(slurm):
     assert output.strip().startswith(
         "error: lesson file 'primitives/no_such_lesson.py' not found"
     ), output
+
+
+def wait_until(condition, what, seconds=240, shown=lambda: ""):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {seconds} s for {what}\n{shown()}"
+        time.sleep(0.2)
+
+
+def test_slurm_preemption_saves_requeues_and_resumes(slurm, tmp_path):
+    """launch/preemption.sbatch, 2 ranks (tasks of srun): `scancel --signal=USR1` mid-run; the ranks
+    stop after the same step, save and exit 75, srun passes the 75 on, the script requeues the job.
+    Slurm holds a requeued job about 2 minutes (its BeginTime; 124 s measured here) before it runs
+    again: the test moves that to now. The second run resumes from the checkpoint and ends with the
+    weights of a run never interrupted, bit for bit."""
+    from harness import run_lesson
+    from test_preemption import DIGEST, STOPPED
+
+    env, d = slurm
+    out, log = tmp_path / "out", tmp_path / "job.out"
+    env = dict(env, OUT=str(out), MASTER_PORT=str(free_port()))
+    steps = ("--steps", "200")  # 10 s of steps at least: time for the signal to get through Slurm
+    submitted = run(["sbatch", "--parsable", f"--output={log}", "launch/preemption.sbatch", *steps],
+                    env=env)  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+
+    def text():
+        return log.read_text() if log.exists() else ""
+
+    def state():
+        return run(["squeue", "-h", "-j", job, "-o", "%T"], env=env).stdout.strip()
+
+    try:
+        wait_until(lambda: "starting at step 0" in text(), "the first step", shown=text)
+        signalled = run(["scancel", "--signal=USR1", job], env=env)
+        assert signalled.returncode == 0, signalled.stderr
+        wait_until(lambda: "srun exited" in text(), "the first run's end", shown=text)
+        requeued = lambda: state() == "PENDING" or "run 1:" in text()  # noqa: E731
+        wait_until(requeued, "the requeue", 60, shown=text)
+        if state() == "PENDING":  # held until its BeginTime: let it start now
+            moved = run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env)
+            assert moved.returncode == 0, moved.stderr
+        done = lambda: state() == "" and "srun exited 0" in text()  # noqa: E731
+        wait_until(done, "the second run's end", shown=text)
+    finally:
+        run(["scancel", job], env=env)
+    output = text()
+    print(output)
+    (stop,) = STOPPED.findall(output)
+    assert stop[0] == "SIGUSR1" and 0 < int(stop[1]) < 200, output
+    assert f"job {job} run 0: srun exited 75" in output, output
+    assert f"job {job} run 1: 2 rank(s) --resume" in output, output
+    assert f"resumed at step {stop[1]} of 200" in output, output
+    uninterrupted = run_lesson("launch/preemption.py", *steps, "--out", tmp_path / "whole",
+                               nproc=2, launcher="warm", timeout=180)  # fmt: skip
+    (ok,) = [line for line in output.splitlines() if line.startswith("OK")]
+    assert DIGEST.search(ok).group(1) == DIGEST.search(uninterrupted.stdout).group(1), output
 
 
 def netns_usable():

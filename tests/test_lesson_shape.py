@@ -35,13 +35,16 @@ MAX_LINES = 330  # nanoGPT's train.py is 336
 LONGER = {
     "primitives/flight_recorder.py": (110, "the faults, the dump and the analyzer are the lesson"),
     "launch/fault_tolerant_ddp.py": (
-        158,
-        "its own launcher, the failed step, the regroup, the join and the state sync",
+        172,
+        "its own launcher, its store keys, the failed step, the regroup, the join, the state sync",
     ),
     "primitives/hello_distributed.py": (120, "the whole set-up by hand, torchrun and spawn paths"),
+    # issue 53: a job that runs for days
+    "launch/preemption.py": (136, "the handler, the agreement, the atomic save, the exact resume"),
+    "launch/straggler.py": (105, "a clock on the device's timeline (CUDA events), the report"),
     "primitives/init_methods.py": (115, "four ways to form a group, each spelled out"),
     "transformer_basics/ring_attention.py": (
-        146,
+        148,
         "an autograd.Function: forward and backward ring",
     ),
     "transformer_basics/train_cp.py": (129, "a GPT training script: dp x cp mesh, ring attention"),
@@ -50,6 +53,8 @@ LONGER = {
     # the timed training loop, which the lesson measures, came up from below the divider (issue 50)
     "ddp_basics/benchmark_ddp.py": (102, "two syncs by hand, DDP, and the timed loop they run in"),
     "ddp_basics/ddp_checkpoint.py": (160, "save, load and the resumable job that uses them"),
+    # each method a function a reader can call (issue 50), and the data's size refused up front
+    "ddp_basics/local_sgd.py": (112, "four training loops, DiLoCo's outer step, the plan of runs"),
     "ddp_basics/ddp_overlap.py": (110, "timing hooks on autograd and on DDP's buckets: the lesson"),
     # fsdp_basics/: the lessons that write a mechanism out by hand
     "fsdp_basics/fsdp_checkpoint.py": (
@@ -67,7 +72,8 @@ LONGER = {
         109,
         "two jobs: a store on one address, a group, buckets",
     ),
-    "primitives/debug_server.py": (108, "the hang, the watchdog thread and the pages it reads"),
+    # + its start checks and the wait for the front end, none below the divider (issue 50)
+    "primitives/debug_server.py": (142, "the hang, the watchdog thread and the pages it reads"),
     "transformer_basics/benchmark.py": (130, "six ways to build one GPT and the timing loop"),
     "transformer_basics/composition.py": (125, "AC + compile + FSDP2, + DDP, and the other order"),
     "transformer_basics/pipeline_parallel.py": (125, "stages, schedule, tied weights, step loop"),

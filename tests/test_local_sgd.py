@@ -2,7 +2,8 @@
 against syncing every gradient every step. The OK line at 2 ranks (`python lesson.py --nproc 2`),
 3 and 4 (warm launcher), the bytes per step read back from its table; the mistakes a reader could
 make in DiLoCo's outer step, each caught by the lesson's own check (a source mutation of a copy,
-tests/harness.mutant); an H the run never reaches, refused in one line on every rank."""
+tests/harness.mutant); an H the run never reaches, and a data set the machine cannot build (sizes
+in range whose product is hundreds of GB), each refused in one line on every rank."""
 
 import re
 
@@ -43,11 +44,13 @@ def test_ok_and_bytes_per_step(nproc, launcher):
 OUTER_STEP_MISTAKES = {
     # the weights averaged, as local SGD does, and no outer optimizer: outer lr 1, no momentum
     "weights-synced-not-pseudo-gradient": (
-        "        g.grad = g.detach() - p.detach()  # pseudo-gradient: where this replica's H steps "
-        "went\n        dist.all_reduce(g.grad, op=dist.ReduceOp.AVG)\n    outer_opt.step()",
-        "        dist.all_reduce(p.data, op=dist.ReduceOp.AVG)\n        g.data.copy_(p.data)",
+        "                g.grad = g.detach() - p.detach()  # pseudo-gradient: where this replica "
+        "went\n                dist.all_reduce(g.grad, op=dist.ReduceOp.AVG)\n"
+        "            outer_opt.step()",
+        "                dist.all_reduce(p.data, op=dist.ReduceOp.AVG)\n"
+        "                g.data.copy_(p.data)",
     ),
-    "outer-momentum-forgotten": ("momentum=mu, nesterov=True", "momentum=0.0"),
+    "outer-momentum-forgotten": ("momentum=outer_momentum, nesterov=True", "momentum=0.0"),
     "heavy-ball-not-nesterov": ("nesterov=True", "nesterov=False"),
 }
 
@@ -60,6 +63,14 @@ def test_diloco_mistakes_fail_the_check(mistake, tmp_path):
     )
     assert_fails(result, "DiLoCo H=4: weights differ from the one-process simulation by")
     assert "local SGD H=4: weights differ" not in result.output, result.output  # DiLoCo's alone
+
+
+def test_a_data_set_this_machine_cannot_build_is_refused_in_one_line():
+    """2 x 10**10 examples, every rank building them all (800 GB at make_data's peak): refused."""
+    args = ("--steps", "100000", "--batch", "100000", "--sync-every", "1")
+    result = run_lesson(LESSON, *args, nproc=2, launcher="warm", timeout=T)
+    assert_fails(result, "--steps x --batch x ranks: 800.0 GB to build the data", within=2)
+    assert 2 in result.rank_codes and "Traceback" not in result.output, result
 
 
 def test_an_h_the_run_never_reaches_is_refused_in_one_line():

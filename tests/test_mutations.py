@@ -268,6 +268,20 @@ PRIMITIVES = [
         args=("--fault", "order"),
         timeout=240,
     ),
+    Mutation(  # --culprit ignored: the last rank goes wrong, and main's culprit agrees with it
+        "flight_recorder-culprit-ignored",
+        "primitives/flight_recorder.py",
+        [
+            (
+                "culprit = ctx.world_size - 1 if args.culprit is None else args.culprit",
+                "culprit = ctx.world_size - 1",
+            )
+        ],
+        "order: the record shows",
+        nproc=3,
+        args=("--fault", "order", "--culprit", "0"),
+        timeout=240,
+    ),
     Mutation(  # both stages on worker 1 where the lesson puts stage 2 on the last worker: the
         # training is the same wherever the stages live, so only the owners can show it
         "rpc_pipeline-stage-2-on-another-worker",
@@ -949,6 +963,55 @@ LAUNCH = [
         [("dist.all_reduce(total)", "pass")],
         ", expected 3",
         launcher="python",  # it starts its ranks itself (--nproc)
+    ),
+    Mutation(  # the rank that waits longest taken for the slow one: at 2 ranks it names the other
+        "straggler-named-by-its-wait",
+        "launch/straggler.py",
+        [("excess = (compute - compute.median())", "excess = (wait - wait.median())")],
+        "report 1 named [0], not rank 1",
+        args=("--slow-rank", "1"),
+    ),
+    Mutation(  # compute timed to the end of the all_reduce: every rank's compute is the whole step
+        "straggler-compute-includes-the-wait",
+        "launch/straggler.py",
+        [
+            (
+                "clock.steps.append((start, computed, clock.mark()))",
+                "clock.steps.append((start, clock.mark(), clock.mark()))",
+            )
+        ],
+        "report 1 named [], not rank 1",
+        nproc=3,
+        args=("--slow-rank", "1"),
+    ),
+    Mutation(  # the all_reduce waited for after the clock is read, as a GPU launch is: untimed
+        "straggler-wait-not-timed",
+        "launch/straggler.py",
+        [
+            (
+                "dist.all_reduce(grads, op=dist.ReduceOp.AVG)",
+                "work = dist.all_reduce(grads, op=dist.ReduceOp.AVG, async_op=True)",
+            ),
+            (
+                "        torch.nn.utils.vector_to_parameters",
+                "        work.wait()\n        torch.nn.utils.vector_to_parameters",
+            ),
+        ],
+        "ended a step before the slowest rank's compute did",
+        nproc=3,
+        args=("--slow-rank", "1"),
+    ),
+    Mutation(  # the agreement by MIN: one rank signalled is outvoted and the job runs on
+        "preemption-stop-agreed-by-min",
+        "launch/preemption.py",
+        [("op=dist.ReduceOp.MAX", "op=dist.ReduceOp.MIN")],
+        "received a signal, yet the job ran on to step 40",
+        args=(
+            "--preempt-at",
+            "5",
+            "--save-every",
+            "1000",
+        ),  # nothing written: the check comes first
     ),
 ]
 

@@ -17,14 +17,23 @@ comment on the line right above its opening fence (GitHub does not show it):
 
 Inside a compared block, what the reader sees marks what is not compared:
 
-    master=127.0.0.1:51861  # varies: port     the line is printed, its text changes from run to
-                                               run (timing, port, pid, host, path): any one line
+    sync SGD   1   4.22  0.8450  # varies: `ms/step`
+                                               the values named in backquotes change from run to
+                                               run; the rest of the line is compared. A name is a
+                                               label in the line (`max diff`: the word after it
+                                               varies; `failed: ...`: all that follows it), else a
+                                               column heading of a line above it in the block (the
+                                               words under the heading vary)
+    master=127.0.0.1:51861  # varies: port     without backquotes: the whole line varies (older
+                                               markers; name the columns instead)
     [rank 1]   ...                             lines left out: `...` alone, or ending or starting a
                                                line, stands for any number of lines (0 or more)
     [rank 2] error: stuck in ...  # any order  consecutive lines marked so are the same lines in
                                                an order that changes from run to run
     (the same warning from ranks 1 and 2)  # stderr   on stderr, or a note: not compared
                                                (only standard output is)
+    [replica 1] failed: reset  # any order; varies: `failed: ...`
+                                               both at once
 
 Every other line must equal the output's line (trailing spaces ignored), in order, and a block
 without `...` must be the whole output. The `torch X.Y.Z...` of the `[setup]` line is not compared
@@ -61,6 +70,8 @@ from test_readmes import READMES, parse_command, rel, uses_dist_setup_run
 
 MARKER = re.compile(r"<!-- (output|output: (?P<cmd>.+)|output not compared: (?P<why>.+)|"
                     r"not output: (?P<what>.+)) -->$")  # fmt: skip
+NAMES = r"`[^`]+`(?:, `[^`]+`)*"
+MARKS = re.compile(rf"\s+# ((?:any order|varies: {NAMES})(?:; (?:any order|varies: {NAMES}))*)$")
 VARIES = re.compile(r"\s+# varies\b.*$")
 ANY_ORDER = re.compile(r"\s+# any order$")
 STDERR = re.compile(r"\s+# stderr$")
@@ -126,25 +137,85 @@ def segments(block):
     return found
 
 
+class Varies:
+    """What `# varies: `a`, `b`` leaves out of a line: each name is a label in the line (the word
+    after it, or with ` ...` all that follows it), else a column heading of a line above it."""
+
+    HOLE = "<varies>"
+
+    def __init__(self, names, above):
+        self.names, self.columns = names, {}
+        for name in names:
+            for line in reversed(above):  # the nearest heading above
+                if found := re.search(rf"(?:^|(?<=\s)){re.escape(name)}(?=\s|$)", line):
+                    self.columns[name] = found.span()
+                    break
+
+    def spans(self, line, strict):
+        spans = []
+        for name in self.names:
+            label, rest = (name[:-4], True) if name.endswith(" ...") else (name, False)
+            at = line.find(label)
+            if at >= 0:
+                end = at + len(label)
+                word = re.compile(r"\s*(\S*?)[,;:)]*(?:\s|$)").match(line, end)
+                if rest or word.group(1):
+                    spans.append((end, len(line)) if rest else word.span(1))
+                    continue
+            if name in self.columns:
+                low, high = self.columns[name]  # the words that overlap the heading
+                words = re.finditer(r"\S+", line)
+                spans += [w.span() for w in words if w.start() < high and w.end() > low]
+            elif strict:
+                raise AssertionError(
+                    f"`{name}` is neither in the line nor a column heading above it: {line!r}"
+                )
+        return sorted(spans)
+
+    def __call__(self, line, strict=False):
+        """The line with each varying value made a hole (strict: each name must be found)."""
+        for low, high in reversed(self.spans(line, strict)):
+            line = line[:low] + self.HOLE + line[high:]
+        return re.sub(rf"\s*{self.HOLE}\s*", f" {self.HOLE} ", line)  # a wider value, less space
+
+
 def pattern(shown):
-    """The shown lines as items: ("line", text), ("one",), ("any",), ("order", [texts])."""
-    items = []
+    """The shown lines as items: ("line", text), ("one",), ("any",), ("order", [texts], varies),
+    ("holes", text, varies)."""
+    items, above = [], []
     for text in shown:
         text = text.rstrip()
         if STDERR.search(text):
             continue
-        if VARIES.search(text):
+        marks = MARKS.search(text)
+        if marks:
+            clauses = marks.group(1).split("; ")
+            names = [n for c in clauses for n in re.findall(r"`([^`]+)`", c)]
+            text = normal(text[: marks.start()])
+            varies = Varies(names, above)
+            holes = varies(text, strict=True)
+            if "any order" not in clauses:
+                items.append(("holes", holes, varies))
+            elif items and items[-1][0] == "order" and items[-1][2] is not None:
+                items[-1][1].append(holes)
+                items[-1][2].names += [n for n in names if n not in items[-1][2].names]
+                items[-1][2].columns.update(varies.columns)
+            else:
+                items.append(("order", [holes], varies))
+        elif VARIES.search(text):
+            assert "`" not in VARIES.search(text).group(0), f"a marker Varies cannot read: {text!r}"
             items.append(("one",))
         elif ANY_ORDER.search(text):
             text = normal(ANY_ORDER.sub("", text))
-            if items and items[-1][0] == "order":
+            if items and items[-1][0] == "order" and items[-1][2] is None:
                 items[-1][1].append(text)
             else:
-                items.append(("order", [text]))
+                items.append(("order", [text], None))
         elif ELISION.match(text.strip()):
             items.append(("any",))
         else:
             items.append(("line", normal(text)))
+        above.append(text)
     return items
 
 
@@ -168,9 +239,12 @@ def matches(items, lines):
                 elif kind == "one":
                     memo[i, j] = j < len(lines) and at(i + 1, j + 1)
                 elif kind == "order":
-                    n = len(items[i][1])
-                    memo[i, j] = sorted(lines[j : j + n]) == sorted(items[i][1]) and at(
-                        i + 1, j + n
+                    n, varies = len(items[i][1]), items[i][2] or (lambda line: line)
+                    window = [varies(line) for line in lines[j : j + n]]
+                    memo[i, j] = sorted(window) == sorted(items[i][1]) and at(i + 1, j + n)
+                elif kind == "holes":
+                    memo[i, j] = (
+                        j < len(lines) and items[i][2](lines[j]) == items[i][1] and at(i + 1, j + 1)
                     )
                 else:
                     memo[i, j] = j < len(lines) and lines[j] == items[i][1] and at(i + 1, j + 1)
@@ -356,6 +430,29 @@ def test_the_comparison_can_fail():
     assert not matches(pattern(shown), ["[setup] 3 rank(s), torch 2.13.0+cpu"] + run[1:])
     assert not matches(pattern(["a", "b"]), ["a"]) and not matches(pattern(["a"]), ["a", "b"])
     assert matches(pattern(["a", "[rank 1]   ...", "b"]), ["a", "c", "d", "b"])
+    # named values: the rest of the line is compared
+    table = [
+        "method    H  ms/step    loss  |w - sim|",
+        "sync      1     4.22  0.8450  3.6e-07  # varies: `ms/step`, `|w - sim|`",
+        "OK: max diff 7.9e-07, tol 1e-4  # varies: `max diff`",
+        "[replica 1] failed: closed  # any order; varies: `failed: ...`",
+        "[replica 0] failed: reset  # any order; varies: `failed: ...`",
+    ]
+    head = table[0]
+    run = [head, "sync      1    14.30  0.8450  5.0e-07", "OK: max diff 1.0e-06, tol 1e-4"]
+    failed = ["[replica 0] failed: reset by peer", "[replica 1] failed: closed by peer"]
+    assert matches(pattern(table), run + failed)
+    assert matches(pattern(table), run + failed[::-1])
+    assert not matches(
+        pattern(table), [head, run[1].replace("0.8450", "0.8451"), *run[2:], *failed]
+    )
+    assert not matches(pattern(table), [head, run[1].replace("sync ", "Sync "), *run[2:], *failed])
+    assert not matches(pattern(table), run[:2] + ["OK: max diff 1.0e-06, tol 1e-3"] + failed)
+    assert not matches(pattern(table), run + [failed[0], "[replica 2] failed: reset"])
+    with pytest.raises(AssertionError, match="neither in the line nor a column heading"):
+        pattern(["a b", "1 2  # varies: `c`"])
+    with pytest.raises(AssertionError, match="a marker Varies cannot read"):
+        pattern(["a b", "1 2  # varies: `a`, b"])
     assert segments(dict(marker=MARKER.match("<!-- output -->"), body=["$ x", "1", "", "$ y"])) == [
         ("x", ["1"]),
         ("y", []),

@@ -24,15 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from harness import ROOT, lesson_env
+from harness import ROOT, lesson_env, repository_files
 
 pytestmark = pytest.mark.quick  # about 10 s: one process parses every command
 
-READMES = sorted(
-    p
-    for p in [*ROOT.rglob("README.md"), ROOT / "CONTRIBUTING.md"]
-    if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)
-)
+READMES = sorted([*repository_files("README.md"), ROOT / "CONTRIBUTING.md"])
 # `torchrun ... LESSON.py`: any lesson, not one
 PLACEHOLDER = re.compile(r"(^|/)(lesson|LESSON)\.py$")
 LINK = re.compile(r"\[([^\]]*)\]\(([^)\s]+)\)")
@@ -230,18 +226,23 @@ def readme_commands():
     return found
 
 
-# Runs every command in one Python, lesson after lesson: torch is imported once, and the
-# repository's own modules are dropped between lessons (two folders have a toy.py), so each lesson
-# imports afresh.
+# Runs every command in one Python, lesson after lesson: torch is imported once, and the modules
+# of the lessons' folders and of launch/ are dropped between lessons (two folders have a toy.py),
+# so each lesson imports afresh. Only those folders, not everything under the checkout: a venv
+# inside the checkout (.venv/lib/.../site-packages) holds torch, numpy and typing_extensions there,
+# and torch imported a second time in one process crashes (torch 2.14.1+cu130: SystemError in
+# `from torch._C import *`, then SIGSEGV while collecting garbage; issue 48).
 CHECKER = r"""
 import argparse, contextlib, importlib, io, json, os, runpy, sys
 root = os.getcwd()
 jobs = json.load(sys.stdin)
+folders = {os.path.join(root, os.path.dirname(job["lesson"])) for job in jobs}
+folders.add(os.path.join(root, "launch"))
 results, previous = [], None
 for job in jobs:
     if job["lesson"] != previous:
         for name, module in list(sys.modules.items()):
-            if (getattr(module, "__file__", None) or "").startswith(root + os.sep):
+            if os.path.dirname(getattr(module, "__file__", None) or "") in folders:
                 del sys.modules[name]
         previous = job["lesson"]
     out = io.StringIO()
@@ -402,3 +403,22 @@ def test_no_merge_conflict_markers_in_tracked_files():
         if re.match(r"(<{7}|>{7}) |={7}$", line)
     ]
     assert not marked, f"merge conflict markers at {marked}"
+
+
+@pytest.mark.quick
+def test_ci_runs_the_quick_start_that_the_readme_shows():
+    """.ci/readme_path.sh reads the commands it runs from README.md: the lines of the bash block
+    under "## Quick start", unchanged, the last one the README's test command."""
+    section = (ROOT / "README.md").read_text().partition("\n## Quick start\n")[2]
+    block = re.search(r"^```bash\n(.*?)^```", section.partition("\n## ")[0], re.M | re.S)
+    assert block, "README.md: no ```bash block under ## Quick start"
+    shown = [line for line in block.group(1).splitlines() if line.strip()]
+    printed = subprocess.run(
+        ["bash", ".ci/readme_path.sh", "--print"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    assert printed == shown, (printed, shown)
+    assert printed[-1].endswith("pytest -m quick"), printed

@@ -23,26 +23,54 @@ from launch import charts  # noqa: E402
 
 BLOCK = re.compile(r"^```mermaid\nxychart-beta\n(.*?)^```", re.M | re.S)
 QUOTED = re.compile(r'"([^"]*)"')
+# The rows launch/charts.py writes in a line chart, each in full (categories on the x axis)
+ROWS = {
+    "title": re.compile(r'title "([^"]*)"'),
+    "x-axis": re.compile(r'x-axis "([^"]*)" \[("[^"]*"(?:, "[^"]*")*)\]'),
+    "y-axis": re.compile(r'y-axis "([^"]*)"'),
+    "line": re.compile(r'line "([^"]*)" \[(.*)\]'),
+}
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")  # fixed-point, as charts.number writes them
+
+
+def text_of(path):
+    try:
+        return Path(path).read_text()
+    except OSError as error:
+        raise SystemExit(f"error: {path}: {error.strerror}; pass a file that --chart wrote")
+    except UnicodeDecodeError:
+        raise SystemExit(f"error: {path}: not text (UTF-8); pass a file that --chart wrote")
 
 
 def read(path):
     """The line charts of a file that launch/charts.py wrote: [dict(title, x_title, x, y_title,
-    lines={name: [values]}, decimals)]."""
+    lines={name: [values]}, decimals)]. Anything else is refused in one line naming the file."""
     found = []
-    for block in BLOCK.findall(Path(path).read_text()):
+    for k, block in enumerate(BLOCK.findall(text_of(path)), 1):
         chart = dict(lines={}, decimals=0)
-        for row in block.splitlines():
-            keyword, texts = row.split(maxsplit=1)[0], QUOTED.findall(row)
+        for row in block.strip().splitlines():
+            keyword = row.split(maxsplit=1)[0]
+            if keyword not in ROWS or not (match := ROWS[keyword].fullmatch(row.strip())):
+                raise SystemExit(f"error: {path}, chart {k}: cannot read {row.strip()!r}")
             if keyword in ("title", "y-axis"):
-                chart[keyword.replace("-axis", "_title")] = texts[0]
+                chart[keyword.replace("-axis", "_title")] = match[1]
             elif keyword == "x-axis":
-                chart["x_title"], chart["x"] = texts[0], texts[1:]
-            elif keyword == "line":
-                values = row[row.index("[") + 1 : row.rindex("]")].split(",")
-                chart["lines"][texts[0]] = [float(v) for v in values]
-                decimals = max(len(v.strip().partition(".")[2]) for v in values)
+                chart["x_title"], chart["x"] = match[1], QUOTED.findall(match[2])
+            else:
+                values = [v.strip() for v in match[2].split(",")]
+                if bad := [v for v in values if not NUMBER.fullmatch(v)]:
+                    raise SystemExit(f"error: {path}, chart {k}: {bad[0]!r} is not a number")
+                chart["lines"][match[1]] = [float(v) for v in values]
+                decimals = max(len(v.partition(".")[2]) for v in values)
                 chart["decimals"] = max(chart["decimals"], decimals)
+        missing = {"title", "x", "y_title"} - set(chart)
+        if missing or not chart["lines"]:
+            raise SystemExit(f"error: {path}, chart {k}: no {sorted(missing) or 'line'} in it")
+        if any(len(ys) != len(chart["x"]) for ys in chart["lines"].values()):
+            raise SystemExit(f"error: {path}, chart {k}: a line's values are not one per x")
         found.append(chart)
+    if not found:
+        raise SystemExit(f"error: {path}: no line chart (xychart-beta) in it; pass a --chart file")
     return found
 
 
@@ -79,7 +107,10 @@ def main():
     parser.add_argument("files", nargs="+", help="chart files written by --chart, one per run")
     parser.add_argument("--out", type=charts.path, required=True, help="the merged charts (.md)")
     args = parser.parse_args()
-    parts, gaps = merge(args.files)
+    try:
+        parts, gaps = merge(args.files)
+    except ValueError as error:  # a title or a name that a chart cannot hold (launch/charts.py)
+        raise SystemExit(f"error: {error}") from None
     charts.write(args.out, *parts)
     for title, gap, decimals in gaps:
         print(f"{title}: largest difference between two lines at one x {gap:.{decimals}f}")

@@ -158,7 +158,7 @@ def make_out_dir(path, ctx):
         open(probe, "w").close()
         os.remove(probe)
     except OSError as error:
-        ctx.require(False, f"--out {path}: cannot write there ({error.strerror}): pass another")
+        ctx.require(False, f"cannot write to {path} ({error.strerror}): pass another --out")
 
 
 def load_checkpoint(path, stateful, ctx):

@@ -84,7 +84,7 @@ def measured(train, plan, windows, args, ctx):
     of the model's optimizer, of any other: DiLoCo's outer)}. The wrapped all_reduce adds up bytes
     (ours, PeriodicModelAverager's, the hook's; DDP with no hook all-reduces in C++, unseen, but
     then differs from our local SGD); a global optimizer hook counts steps. 2 steps of DiLoCo warm
-    up both optimizers (without, the first AdamW run took 2 s longer: measured on a CPU)."""
+    up both optimizers first: the one-time costs of a first step stay out of the timed runs."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     sent, plain_all_reduce, steps, runs = [0], dist.all_reduce, [], {}
@@ -125,9 +125,9 @@ def replay_diloco(h, windows, args, ctx):
     """Independent of train(): this rank's replica again, its AdamW steps, and every H steps the
     outer step written out on flat vectors: the pseudo-gradients averaged with one all_reduce per
     parameter, as the lesson does (same sizes, so Gloo adds the ranks in the same order: 0.0 apart
-    at 3 and 4 ranks; NCCL too, by our reading; in another order 3 replicas drift 1e-1 apart in 96
-    steps at H=1, measured: the key biases' gradient is 0 but for rounding, which AdamW scales to
-    +-lr), then Nesterov as torch.optim.SGD has it (buf = delta, then mu * buf + delta; step
+    at 2 and 4 ranks in the README's runs; NCCL too, by our reading; added in another order they
+    round otherwise, and the key biases' gradient, 0 but for rounding, is scaled by AdamW to steps
+    of +-lr), then Nesterov as torch.optim.SGD has it (buf = delta, then mu * buf + delta; step
     lr * (delta + mu * buf))."""
     torch.manual_seed(args.seed)
     model = GPT(config_from_args(args)).to(ctx.device)
@@ -184,9 +184,9 @@ def check(runs, windows, val_tokens, args, ctx):
     DiLoCo's outer steps: steps / H); the bytes: sync's are the parameters' every step, the others'
     1/H of sync's. Then each run against its reference (references()): float32 on both sides, equal
     but for rounding (a mean of gradients against a mean of weights; torch's averager divides before
-    its SUM), which grows with the steps, fast where training is unstable. Measured, 96 steps:
-    torch's against ours 0 at 2 ranks, 2.6e-5 at 4; local SGD at H=1 against sync SGD 2e-6, but
-    8e-2 at --lr 0.5. --tol 1e-4: raise it for long runs (the tests' mistakes: 1e-3 off or more)."""
+    its SUM), which grows with the steps, fast where training is unstable: the README gives the
+    runs, their dates and machine. --tol 1e-4: raise it for long runs (the tests' mistakes: 1e-3
+    off or more)."""
     off, (model, sync_sent) = references(runs, windows, args, ctx), runs["sync SGD", 1][:2]
     full, failures = sum(p.numel() * p.element_size() for p in model.parameters()), []
     print0(
@@ -220,21 +220,18 @@ def check(runs, windows, val_tokens, args, ctx):
     )
 
 
-def ints_in(low, high):
-    """An argparse type: a comma-separated list of integers, each in [low, high] (1,8,32)."""
-    one = int_in(low, high)
+def sync_periods(text):
+    """--sync-every's type: one H or several, comma-separated."""
+    return [int_in(1, 100_000)(part) for part in text.split(",")]
 
-    def parse(text):
-        return [one(part) for part in text.split(",")]
 
-    parse.__name__, parse.high = f"a comma-separated list of integers in [{low}, {high}]", high
-    return parse
-
+sync_periods.__name__ = "a comma-separated list of integers in [1, 100000]"
+sync_periods.high = 100_000  # --help shows the range
 
 if __name__ == "__main__":
     parser = lesson_parser(__doc__)
     add = parser.add_argument
-    add("--sync-every", type=ints_in(1, 100_000), default="1,8,32",
+    add("--sync-every", type=sync_periods, default="1,8,32",
         help="H: steps between syncs for local SGD and DiLoCo, one value or several")  # fmt: skip
     add("--steps", type=int_in(1, 100_000), default=96, help="steps (a multiple of each H)")
     add("--batch-size", type=int_in(1, 4096), default=8, help="windows per replica per step")

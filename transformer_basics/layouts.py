@@ -174,8 +174,8 @@ def sum_tied_gradients(weight, group):
 
 def context_parallel(gpt, args, ctx):  # train_cp.py, the whole world one ring (cp = N)
     for block in gpt.blocks.values():
-        block.attn = RingSelfAttention(block.attn, dist.group.WORLD)
-    model = GPTWithPositions(gpt)
+        block.attn = RingSelfAttention(block.attn, dist.group.WORLD)  # device: the block's layers
+    model = GPTWithPositions(gpt)  # device: gpt's
     # this rank's two zig-zag chunks of every window: tokens, targets and their positions
     pos = zigzag_positions(ctx.rank, ctx.world_size, args.block_size).to(ctx.device)
     params = list(model.parameters())
@@ -191,12 +191,14 @@ def expert_parallel(moe_gpt, args, ctx):  # train_moe.py's dp x ep mesh
     n = ctx.world_size
     ep = 2 if n % 2 == 0 else 1
     mesh = init_device_mesh(ctx.device.type, (n // ep, ep), mesh_dim_names=("dp", "ep"))
-    local = args.experts // ep
+    local, row = args.experts // ep, mesh["ep"].get_group()  # row: my ep row, its all_to_alls
     first = mesh["ep"].get_local_rank() * local  # my experts: first .. first + local - 1
     for block in moe_gpt.blocks.values():
-        old = block.mlp  # all the experts: keep mine, exchange tokens over my ep row
+        old = block.mlp  # every expert: keep mine, send each token to its experts' ranks
         weights = (old.router.detach(), old.w1.detach(), old.w2.detach())
-        block.mlp = MoE(*weights, first, local, args.top_k, mesh["ep"].get_group())
+        block.mlp = MoE(*weights, first, local, args.top_k, row)  # device: the weights'
+    # The loss: the cross-entropy alone. train_moe.py adds Switch's load-balancing loss, computed on
+    # each rank's own tokens: one process would then have to split its batch the same way.
 
     def expert(name):
         return name.endswith((".w1", ".w2"))

@@ -65,12 +65,13 @@ def model_of(kind, args):
     experts, computed all in this process (train_moe.py's check does the same)."""
     dropout = args.dropout if kind == "gpt+dropout" else 0.0
     sizes = dict(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head)
-    model = GPT(GPTConfig(n_embd=args.n_embd, dropout=dropout, **sizes))
+    model = GPT(GPTConfig(n_embd=args.n_embd, dropout=dropout, **sizes))  # device: load() moves it
     for layer, block in model.blocks.items():
         # Attention's dropout draws a mask per head, and a TP rank holds only its heads: off.
         block.attn.dropout = 0.0
         if kind == "moe":
-            block.mlp = OneProcessMoE(*init_moe(args, layer), 0, args.experts, args.top_k, None)
+            experts = init_moe(args, layer)  # router, W1, W2 of every expert
+            block.mlp = OneProcessMoE(*experts, 0, args.experts, args.top_k, None)  # device: GPT's
     return model
 
 

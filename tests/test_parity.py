@@ -109,8 +109,9 @@ def test_a_mistake_fails_the_check_naming_its_rows(mistake, tmp_path):
         ("--chart", str(chart)) if draws else ()
     )
     result = run_lesson(LESSON, *args, nproc=4, launcher="warm", timeout=T)
-    names = ", ".join(MISTAKES[mistake])
-    assert_fails(result, f"FAILED: {names} differ from one process beyond their tolerance")
+    names = MISTAKES[mistake]
+    line = f"FAILED: {len(names)} row(s) beyond their tolerance of one process: {', '.join(names)}"
+    assert_fails(result, line)
     assert f"mistake {mistake}: " in result.stdout, result
     rows = table(result.stdout)
     check_rows(rows, 4, diverged=MISTAKES[mistake])
@@ -122,6 +123,7 @@ def check_chart(path, rows):
     """The chart parses as Mermaid, one line per row, each the losses printed (4 decimals)."""
     (chart,) = [parse(block) for block in blocks(path.read_text())]
     assert chart["x"] == [str(step) for step in range(STEPS)], chart
+    assert chart["title"] == "parity.py, 4 rank(s), no-data-sharding", chart
     lines = {name: values for _, name, values in chart["lines"]}
     assert list(lines) == list(rows), chart
     shown = sorted({0, STEPS // 2, STEPS - 1})

@@ -205,13 +205,15 @@ def print_table(losses, args, ctx):
     if args.chart:
         steps = [str(s) for s in range(args.steps)]
         lines = {name: got.tolist() for name, got in losses.items()}
-        charts.write(args.chart, charts.xychart("Loss per step", "step", steps, "loss", lines, 4))
+        title = f"parity.py, {ctx.world_size} rank(s), " + (args.mistake or "no mistake")
+        charts.write(args.chart, charts.xychart(title, "step", steps, "loss", lines, 4))
         print0(f"chart: {args.chart}")
     if CONTROL in within:
         return f"FAILED: the control ({CONTROL}) is within its tolerance: nothing is compared"
     diverged.remove(CONTROL)
     if diverged:
-        return f"FAILED: {', '.join(diverged)} differ from one process beyond their tolerance"
+        names = ", ".join(diverged)
+        return f"FAILED: {len(diverged)} row(s) beyond their tolerance of one process: {names}"
     return None
 
 

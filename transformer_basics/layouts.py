@@ -1,13 +1,15 @@
-"""The GPT laid out each way this folder parallelizes it, side by side: parity.py trains them all.
+"""The GPT laid out each way this folder parallelizes it, side by side: parity.py trains each one.
 
-Every function takes the model loaded from parity.py's seed checkpoint (the same full weights on
-every rank) and returns a Layout: what this rank trains, which share of each step's global batch it
-reads, the loss of one of its micro-batches, what it reduces by hand after backward, and how many
-ranks hold each plain gradient it holds (the global norm of parity.py's clip needs it). The
+Each function of LAYOUTS (at the end) takes the model loaded from parity.py's seed checkpoint (the
+same full weights on every rank) and returns a Layout: what this rank trains, which share of each
+step's global batch it reads, the loss of one of its micro-batches, what it reduces by hand after
+backward, and how many ranks hold each plain gradient it holds. First what every layout shares: the
+reading, the micro-batch loop (forward_backward), the clip to the whole model's gradient norm. The
 parallelisms are the sibling lessons' own functions, imported: apply_tensor_parallel
 (tensor_parallel.py), cut_stage and loss_fn (pipeline_parallel.py), RingSelfAttention and
 GPTWithPositions (train_cp.py, over ring_attention.py's ring), MoE (train_moe.py, over
-expert_parallel.py's all_to_all); DDP and fully_shard are torch's.
+expert_parallel.py's all_to_all); DDP and fully_shard are torch's. mistakes.py swaps some of these
+functions for the versions a reader plausibly writes.
 """
 
 import math
@@ -210,7 +212,9 @@ def expert_parallel(moe_gpt, args, ctx):  # train_moe.py's dp x ep mesh
         average_gradients(dense, dist.group.WORLD, n)
         average_gradients(experts, mesh["dp"].get_group(), n)  # / n too: train_moe.py says why
 
-    copies = lambda name: n // ep if expert(name) else n  # noqa: E731
+    def copies(name):  # an expert is held by its dp column, the rest by every rank
+        return n // ep if expert(name) else n
+
     return Layout(moe_gpt, dist.group.WORLD, (ctx.rank, n), sync=sync, copies=copies)
 
 

@@ -6,7 +6,7 @@ a reader plausibly writes, in the parallel layouts only (the one-process runs co
     gradients-summed           the gradients reduced by hand are summed, not averaged
     loss-averaged-twice        the pipeline's loss_fn divides by m, and so does its schedule
     clip-local-norm            each rank clips to the norm of what it holds
-    tied-gradients-not-summed  the pipeline's embedding and head each keep half the gradient
+    tied-gradients-not-summed  the pipeline's embedding and head each keep their own gradient
     bf16-reductions            every reduction of the gradients in bfloat16
 
 Some need a setting to show, which they then take as their default (a flag given still wins): a

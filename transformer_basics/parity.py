@@ -35,6 +35,7 @@ from train_moe import OneProcessMoE, init_moe
 
 
 def main(args, ctx):
+    args.n_layer = args.n_layer or max(4, ctx.world_size)  # the pipeline: a block a stage at least
     require_every_layout_fits(args, ctx)  # the sizes each layout needs, refused up front (below)
     tokens = data.encode(data.generate_corpus(2000))
     make_out_dir(args.out, ctx)
@@ -103,7 +104,6 @@ def train(layout, tokens, args, ctx):
 def require_every_layout_fits(args, ctx):
     """The world sizes and flags every layout can take, refused in one line before any work."""
     n, m, T = ctx.world_size, args.microbatches, args.block_size
-    args.n_layer = args.n_layer or max(4, n)
     ctx.require(args.n_embd % args.n_head == 0, "--n-embd must be a multiple of --n-head")
     ctx.require(
         args.batch % (n * m) == 0,
@@ -193,7 +193,7 @@ def print_table(losses, args, ctx):
             (within if diff <= tol else diverged).append(name)
             verdict = "ok" if diff <= tol else "DIVERGED"
             if name == CONTROL:  # it must diverge
-                verdict = "diverged, as it must" if diff > tol else "WITHIN: blind"
+                verdict = "diverged, as it must" if diff > tol else "WITHIN (must not be)"
             row += f"{diff:<12.1e}{tol:<11.1e}{verdict}"
         print0(row)
     ref = losses["one process, gpt"].tolist()
@@ -224,7 +224,7 @@ if __name__ == "__main__":
     add("--chart", type=charts.path, help="write the loss per step of every row there (Mermaid)")
     add("--out", default="runs/parity", help="the seed checkpoint, seed.pt, goes here")
     for flag, kind, default, what in [
-        ("--steps", int_in(1, 1000), 4, "SGD steps of every row"),
+        ("--steps", int_in(2, 1000), 4, "SGD steps of every row (step 0's loss: before any)"),
         ("--batch", int_in(1, 65_536), 16, "windows per step, the global batch of every row"),
         ("--microbatches", int_in(1, 1024), 2, "per step and rank (the pipeline: >= its stages)"),
         ("--lr", float_in(0, 10, low_open=True), 0.5, "SGD's learning rate"),

@@ -905,8 +905,9 @@ TRANSFORMER_BASICS = [
         "transformer_basics/parity.py",
         [
             (
-                "    for name, got in losses.items():\n",
-                '    for name in losses:\n        got = losses["one process, gpt"]\n',
+                "    for name, (what, got) in losses.items():\n",
+                "    for name, (what, _) in losses.items():\n"
+                '        got = losses["one process, gpt"][1]\n',
             )
         ],
         "FAILED: the control (control, f32 grads) is within its tolerance",

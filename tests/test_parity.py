@@ -14,6 +14,7 @@ tests/test_mutations.py.
 """
 
 import re
+from collections import namedtuple
 
 import pytest
 from harness import assert_fails, assert_ok, run_lesson
@@ -43,20 +44,30 @@ MISTAKES = {
 }
 
 
+Row = namedtuple("Row", "layout model losses diff tol verdict")
+# what each row says it ran: its mesh at 4 ranks (the README's) and at 2
+SHAPES = {
+    4: ["dp 4 (replicas)", "dp 4 (shards)", "replicate 2 x shard 2", "tp 4"]
+    + ["pp 4 x 4 micro-batches", "cp 4 (a ring)", "dp 2 x ep 2", "dp 2 x tp 2"],
+    2: ["dp 2 (replicas)", "dp 2 (shards)", "replicate 2 x shard 1", "tp 2"]
+    + ["pp 2 x 2 micro-batches", "cp 2 (a ring)", "dp 1 x ep 2", "dp 1 x tp 2"],
+}
+
+
 def table(stdout):
-    """{row: (model, losses shown, max |diff|, tolerance, verdict)}, in the table's order."""
+    """{row name: Row}, in the table's order."""
     lines = stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("row "))
     rows = {}
     for line in lines[start + 1 :]:
         if line.startswith("tolerance:"):
             break
-        name, model, *cells = re.split(r"\s{2,}", line.strip())
+        name, layout, model, *cells = re.split(r"\s{2,}", line.strip())
         losses = [float(c) for c in cells[:3]]
         diff, tol, verdict = (
             (float(cells[3]), float(cells[4]), cells[5]) if cells[3:] else [None] * 3
         )
-        rows[name] = (model, losses, diff, tol, verdict)
+        rows[name] = Row(layout, model, losses, diff, tol, verdict)
     return rows
 
 
@@ -67,21 +78,22 @@ def tolerance(ranks, loss):
 
 def check_rows(rows, nproc, diverged=()):
     assert list(rows) == REFERENCES + LAYOUTS + [CONTROL], list(rows)
-    assert rows["tp"][0] == "gpt+dropout" and rows["ep"][0] == "moe", rows
+    assert [rows[name].layout for name in LAYOUTS] == SHAPES[nproc], rows
+    assert rows["tp"].model == "gpt+dropout" and rows["ep"].model == "moe", rows
     for name in LAYOUTS + [CONTROL]:
-        model, losses, diff, tol, verdict = rows[name]
-        reference = rows[f"one process, {model}"][1]
+        row = rows[name]
+        reference = rows[f"one process, {row.model}"].losses
         ranks = 1 if name == CONTROL else nproc
         # the printed tolerance is the formula's, from its reference's largest loss (step 0)
-        assert tol == pytest.approx(tolerance(ranks, max(reference)), rel=0.05), (name, rows)
+        assert row.tol == pytest.approx(tolerance(ranks, max(reference)), rel=0.05), (name, rows)
         if name == CONTROL:
-            assert diff > tol and verdict == "diverged, as it must", rows
+            assert row.diff > row.tol and row.verdict == "diverged, as it must", rows
         elif name in diverged:
-            assert diff > 1e3 * tol and verdict == "DIVERGED", (name, rows)
+            assert row.diff > 1e3 * row.tol and row.verdict == "DIVERGED", (name, rows)
         else:
-            assert diff <= tol and verdict == "ok", (name, rows)
+            assert row.diff <= row.tol and row.verdict == "ok", (name, rows)
     # three models, three trainings: the dropout and the experts change the loss
-    assert len({tuple(rows[name][1]) for name in REFERENCES}) == 3, rows
+    assert len({tuple(rows[name].losses) for name in REFERENCES}) == 3, rows
 
 
 @pytest.mark.parametrize(
@@ -127,8 +139,8 @@ def check_chart(path, rows):
     lines = {name: values for _, name, values in chart["lines"]}
     assert list(lines) == list(rows), chart
     shown = sorted({0, STEPS // 2, STEPS - 1})
-    for name, (_, losses, *_) in rows.items():
-        assert [lines[name][s] for s in shown] == [round(v, 4) for v in losses], (name, chart)
+    for name, row in rows.items():
+        assert [lines[name][s] for s in shown] == [round(v, 4) for v in row.losses], (name, chart)
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,7 @@ from train_moe import MoE
 
 @dataclass
 class Layout:
+    what: str  # its shape at this world size, for the table
     model: nn.Module  # this rank's part of the model: what its optimizer steps
     group: object  # the ranks that train it together: their losses are averaged
     share: tuple = (0, 1)  # (i, n): the rank reads the i-th of n shares of each global batch
@@ -101,12 +102,13 @@ def clip_grad_norm(layout, max_norm):
 
 
 def one_process(gpt, group):
-    return Layout(gpt, group)
+    return Layout("1 process", gpt, group)
 
 
 def ddp(gpt, args, ctx):
     on = None if ctx.device.type == "cpu" else [ctx.device]
-    return Layout(DDP(gpt, device_ids=on), dist.group.WORLD, (ctx.rank, ctx.world_size))
+    n = ctx.world_size
+    return Layout(f"dp {n} (replicas)", DDP(gpt, device_ids=on), dist.group.WORLD, (ctx.rank, n))
 
 
 def shard(model, mesh):
@@ -118,7 +120,8 @@ def shard(model, mesh):
 
 def fsdp(gpt, args, ctx):
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    return Layout(shard(gpt, mesh), dist.group.WORLD, (ctx.rank, ctx.world_size))
+    n = ctx.world_size
+    return Layout(f"dp {n} (shards)", shard(gpt, mesh), dist.group.WORLD, (ctx.rank, n))
 
 
 def hsdp(gpt, args, ctx):  # R replicas of S shards: fsdp_basics/hsdp.py
@@ -126,12 +129,14 @@ def hsdp(gpt, args, ctx):  # R replicas of S shards: fsdp_basics/hsdp.py
     replicas = min((r for r in range(2, n + 1) if n % r == 0), default=1)
     shape, names = (replicas, n // replicas), ("replicate", "shard")
     mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
-    return Layout(shard(gpt, mesh), dist.group.WORLD, (ctx.rank, n))
+    what = f"replicate {replicas} x shard {n // replicas}"
+    return Layout(what, shard(gpt, mesh), dist.group.WORLD, (ctx.rank, n))
 
 
 def tensor_parallel(gpt, args, ctx):  # every rank reads the whole batch
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("tp",))
-    return Layout(apply_tensor_parallel(gpt, mesh, False), dist.group.WORLD)
+    what = f"tp {ctx.world_size}"
+    return Layout(what, apply_tensor_parallel(gpt, mesh, False), dist.group.WORLD)
 
 
 def fsdp_tp(gpt, args, ctx):  # train_2d.py: TP inside each row of the mesh, FSDP down its columns
@@ -140,7 +145,11 @@ def fsdp_tp(gpt, args, ctx):  # train_2d.py: TP inside each row of the mesh, FSD
         ctx.device.type, (ctx.world_size // tp, tp), mesh_dim_names=("dp", "tp")
     )
     shard(apply_tensor_parallel(gpt, mesh["tp"], False), mesh["dp"])
-    return Layout(gpt, dist.group.WORLD, (mesh["dp"].get_local_rank(), mesh["dp"].size()))
+    what, share = (
+        f"dp {ctx.world_size // tp} x tp {tp}",
+        (mesh["dp"].get_local_rank(), mesh["dp"].size()),
+    )
+    return Layout(what, gpt, dist.group.WORLD, share)
 
 
 def pipeline(gpt, args, ctx):  # pipeline_parallel.py's stages, 1F1B
@@ -166,7 +175,8 @@ def pipeline(gpt, args, ctx):  # pipeline_parallel.py's stages, 1F1B
         return loss
 
     copies = {"wte.weight": 2, "lm_head.weight": 2} if p > 1 else {}  # the tie: on two stages
-    return Layout(stage_model, dist.group.WORLD, copies=lambda n: copies.get(n, 1), step=step)
+    what, group = f"pp {p} x {m} micro-batches", dist.group.WORLD
+    return Layout(what, stage_model, group, copies=lambda n: copies.get(n, 1), step=step)
 
 
 def sum_tied_gradients(weight, group):
@@ -182,6 +192,7 @@ def context_parallel(gpt, args, ctx):  # train_cp.py, the whole world one ring (
     pos = zigzag_positions(ctx.rank, ctx.world_size, args.block_size).to(ctx.device)
     params = list(model.parameters())
     return Layout(
+        f"cp {ctx.world_size} (a ring)",
         model,
         dist.group.WORLD,
         loss=lambda x, y: loss_fn(model(x[:, pos], pos), y[:, pos]),
@@ -215,7 +226,8 @@ def expert_parallel(moe_gpt, args, ctx):  # train_moe.py's dp x ep mesh
     def copies(name):  # an expert is held by its dp column, the rest by every rank
         return n // ep if expert(name) else n
 
-    return Layout(moe_gpt, dist.group.WORLD, (ctx.rank, n), sync=sync, copies=copies)
+    what, share = f"dp {n // ep} x ep {ep}", (ctx.rank, n)
+    return Layout(what, moe_gpt, dist.group.WORLD, share, sync=sync, copies=copies)
 
 
 def average_gradients(params, group, n):

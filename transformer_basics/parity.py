@@ -7,8 +7,7 @@ same global batches, its gradient clipped to one global norm. The table: each ro
 largest difference from one process of its model and its tolerance, derived from float64's
 rounding (below the divider; float64, so that a bug stands out of the rounding). Dropout in the tp
 row only: TP ranks can draw one process's masks, the other layouts draw theirs for other shapes.
---mistake NAME makes one mistake of mistakes.py in the parallel layouts: the check then fails,
-naming the rows that diverged.
+--mistake NAME: one of mistakes.py's mistakes, in the parallel layouts; the check names its rows.
 
     torchrun --nproc_per_node=4 transformer_basics/parity.py
     python transformer_basics/parity.py --nproc 4 --mistake no-data-sharding --chart runs/parity.md
@@ -53,11 +52,12 @@ def main(args, ctx):
     for kind in ("gpt", "gpt+dropout", "moe"):  # the program before it was parallelized
         if ctx.rank == 0:
             one_process = layouts.one_process(load(kind, seed, args, ctx), alone)
-            losses[f"one process, {kind}"] = train(one_process, tokens, args, ctx)
+            losses[f"one process, {kind}"] = one_process.what, train(one_process, tokens, args, ctx)
     if args.mistake:  # one bug a reader plausibly makes, in the parallel layouts only
         mistakes.make(args.mistake)
     for name, (lay_out, kind) in layouts.LAYOUTS.items():
-        losses[name] = train(lay_out(load(kind, seed, args, ctx), args, ctx), tokens, args, ctx)
+        layout = lay_out(load(kind, seed, args, ctx), args, ctx)
+        losses[name] = layout.what, train(layout, tokens, args, ctx)  # the table says its shape
     check_against_one_process(losses, seed, alone, tokens, args, ctx)
 
 
@@ -154,8 +154,8 @@ def check_against_one_process(losses, seed, alone, tokens, args, ctx):
             grads = torch.cat([p.grad.flatten() for p in model.parameters()])
             norms.append(torch.linalg.vector_norm(grads).item())
 
-        control = layouts.Layout(model, alone, sync=round_to_float32)
-        losses[CONTROL] = train(control, tokens, args, ctx)
+        control = layouts.Layout("1 process", model, alone, sync=round_to_float32)
+        losses[CONTROL] = control.what, train(control, tokens, args, ctx)
         verdict = [print_table(losses, args, ctx)]
         clipped = sum(norm > args.grad_clip for norm in norms) if args.grad_clip else 0
         print0(
@@ -179,15 +179,15 @@ def print_table(losses, args, ctx):
     kinds |= {f"one process, {kind}": kind for kind in ("gpt", "gpt+dropout", "moe")}
     shown = sorted({0, args.steps // 2, args.steps - 1})
     print0(
-        f"{'row':<26}{'model':<13}" + "".join(f"{f'loss, step {s}':<18}" for s in shown)
+        f"{'row':<26}{'layout':<24}{'model':<13}" + "".join(f"{f'step {s}':<16}" for s in shown)
         + f"{'max |diff|':<12}tolerance"
     )  # fmt: skip
     diverged, within = [], []
-    for name, got in losses.items():
-        row = f"{name:<26}{kinds[name]:<13}"
-        row += "".join(f"{got[s].item():<18.12f}" for s in shown)
+    for name, (what, got) in losses.items():
+        row = f"{name:<26}{what:<24}{kinds[name]:<13}"
+        row += "".join(f"{got[s].item():<16.12f}" for s in shown)
         if not name.startswith("one process"):
-            ref = losses[f"one process, {kinds[name]}"]
+            ref = losses[f"one process, {kinds[name]}"][1]
             diff = (got - ref).abs().max().item()
             tol = tolerance(1 if name == CONTROL else ctx.world_size, ref.tolist(), args)
             (within if diff <= tol else diverged).append(name)
@@ -196,7 +196,7 @@ def print_table(losses, args, ctx):
                 verdict = "diverged, as it must" if diff > tol else "WITHIN (must not be)"
             row += f"{diff:<12.1e}{tol:<11.1e}{verdict}"
         print0(row)
-    ref = losses["one process, gpt"].tolist()
+    ref = losses["one process, gpt"][1].tolist()
     print0(
         f"tolerance: 8 x {args.steps} steps x ({args.batch} x {args.block_size} tokens + 4 x "
         f"{args.n_embd} + ranks) x eps {torch.finfo(torch.float64).eps:.1e} (float64) x loss "
@@ -204,7 +204,7 @@ def print_table(losses, args, ctx):
     )
     if args.chart:
         steps = [str(s) for s in range(args.steps)]
-        lines = {name: got.tolist() for name, got in losses.items()}
+        lines = {name: got.tolist() for name, (_, got) in losses.items()}
         title = f"parity.py, {ctx.world_size} rank(s), " + (args.mistake or "no mistake")
         charts.write(args.chart, charts.xychart(title, "step", steps, "loss", lines, 4))
         print0(f"chart: {args.chart}")

@@ -65,6 +65,7 @@ def main(args, ctx):
         (args.preempt_rank or 0) < ctx.world_size,
         f"--preempt-rank {args.preempt_rank}: there are ranks 0 to {ctx.world_size - 1}",
     )
+    ctx.require(can_write_in(ckpt.parent), f"cannot write to {ckpt.parent}: pass another --out")
     model, optimizer = make_model(args, ctx.device)
     start = load(ckpt, model, optimizer, ctx) if args.resume else 0
     ctx.require(start < args.steps, f"--resume: {ckpt} is at step {start}, past --steps")
@@ -134,6 +135,19 @@ def load(path, model, optimizer, ctx):
 
 
 # ---- The lesson ends here. What follows is how it checks itself. ----
+
+
+def can_write_in(folder):
+    """Make folder if it is missing; True if this rank can create a file in it. Every rank
+    asks: each machine may have a disk of its own."""
+    probe = os.path.join(folder, f".write_test_{os.getpid()}")
+    try:  # a file made and removed: os.access is no test, it allows everything to root
+        os.makedirs(folder, exist_ok=True)
+        os.close(os.open(probe, os.O_CREAT | os.O_WRONLY))
+        os.remove(probe)
+        return True
+    except OSError:
+        return False
 
 
 def preempt_if_asked(step, args, ctx):

@@ -250,6 +250,15 @@ UNMEASURED = {
     # no report in RUN_8: as nccl-1-composition's figure less torchrun's imports (38.5 - 14.1 s;
     # inductor's compilation, cold cache)
     "gloo-2-composition": 24.4,
+    # issue 53's lessons, never run on a GPU (reasoned from their neighbours'): preemption trains a
+    # small model with a checkpoint, as ddp_checkpoint (21.9 s under torchrun in RUN_5);
+    # record_errors prints and exits, as print_env (9.4 s); straggler's 2 ranks on Gloo with CUDA
+    # tensors time 12 steps, as the gloo-2 runs of the DDP lessons (2.2-4.8 s)
+    "nccl-1-preemption": 22.0,
+    "nccl-1-record_errors": 10.0,
+    "gloo-2-preemption": 5.0,
+    "gloo-2-record_errors": 3.0,
+    "gloo-2-straggler": 5.0,
 }
 
 

@@ -321,6 +321,7 @@ UNWRITABLE = {  # lesson -> how it is told where to write ({} is the unwritable 
     "transformer_basics/train.py": ["--out", "{}"],
     "transformer_basics/train_2d.py": ["--out", "{}"],
     "primitives/init_methods.py": ["--init-method", "file", "--file", "{}/store"],
+    "launch/preemption.py": ["--out", "{}"],
 }
 
 

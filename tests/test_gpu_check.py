@@ -17,6 +17,7 @@ from harness import ROOT, lesson_env
 TOOL = ROOT / "tools" / "gpu_check.py"
 sys.path.insert(0, str(TOOL.parent))
 import gpu_check  # noqa: E402
+import test_gpu  # noqa: E402
 
 
 def test_dry_run_on_cpu_reports_every_step(tmp_path):
@@ -49,7 +50,7 @@ def test_dry_run_on_cpu_reports_every_step(tmp_path):
         assert steps["profile"] == "profile: skipped (this checkout's train.py has no --profile)"
     assert "GPU tier --gpu: " in steps["node check"] and "GPU plan: " in steps["node check"]
     # --quick: what fits in the time left of its 300 s (on this 2-core machine, one worker)
-    assert " of 77 runs, planned " in steps["node check"], lines
+    assert f" of {len(test_gpu.node_check(1))} runs, planned " in steps["node check"], lines
     assert steps["result"] == "result: PASS"
     assert (tmp_path / "summary_logs" / "train.log").exists()
 
@@ -159,6 +160,7 @@ def test_the_node_check_part_that_fits():
     enough time, all of them (no node ids: the whole file)."""
     ids, note = gpu_check.node_check_runs(1, 60)
     assert ids and "tests/test_gpu.py::test_gpu[other-gloo_cuda_crash]" in ids, note
-    assert f"{len(ids)} of 77 runs" in note and "does not hold them all" in note, note
+    total = len(test_gpu.node_check(1))  # every run at 1 GPU, counted from the plan itself
+    assert f"{len(ids)} of {total} runs" in note and "does not hold them all" in note, note
     ids, note = gpu_check.node_check_runs(1, 3600)
-    assert ids == [] and note.startswith("77 of 77 runs"), note
+    assert ids == [] and note.startswith(f"{total} of {total} runs"), note

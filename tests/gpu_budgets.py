@@ -240,6 +240,13 @@ UNMEASURED = {
     "gloo-2-debug_server": 22.0,
     # no run (the --gpu-full row under elastic torchrun): as nccl-1-elastic (18.0 s)
     "gloo-2-elastic": 18.0,
+    # parity.py: never run on a GPU (reasoned): 12 trainings of 4 steps of a float64 GPT in turn,
+    # most of it Python (DTensor's dispatch, FSDP2's hooks, the pipeline schedule), as in
+    # train_2d's, tensor_parallel's and pipeline_parallel's runs (17.7-19.0 s under torchrun, of
+    # which 14.1 s imports): about 15 s of work, + 14.1 s torchrun would import
+    "nccl-1-parity": 30.0,
+    # its refusal of Gloo with CUDA tensors, up front: as the other p2p lessons' refusals
+    "gloo-2-parity": 5.0,
     # no report in RUN_8: as nccl-1-composition's figure less torchrun's imports (38.5 - 14.1 s;
     # inductor's compilation, cold cache)
     "gloo-2-composition": 24.4,

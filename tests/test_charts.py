@@ -116,6 +116,7 @@ DRAWING = [
     "fsdp_basics/fsdp_memory_plan.py",
     "ddp_basics/ddp_overlap.py",
     "fsdp_basics/fsdp_overlap.py",
+    "transformer_basics/parity.py",  # its chart's run: tests/test_parity.py (a --mistake run)
 ]
 
 

@@ -890,6 +890,46 @@ TRANSFORMER_BASICS = [
         "gradient of ln_f.weight differs from the unsharded model's",
         args=("--sequence-parallel", "--steps", "1"),
     ),
+    # parity.py's check of its own table (its --mistake runs are tests/test_parity.py's). Each row
+    # compared with the plain GPT's one process, whatever its model: the dropout and MoE rows fail
+    Mutation(
+        "parity-compares-with-the-wrong-row",
+        "transformer_basics/parity.py",
+        [('ref = losses[f"one process, {kinds[name]}"]', 'ref = losses["one process, gpt"]')],
+        "FAILED: 2 row(s) beyond their tolerance of one process: tp, ep",
+        timeout=240,
+    ),
+    # a table that shows one row's losses in every row: only the control can tell
+    Mutation(
+        "parity-table-repeats-one-row",
+        "transformer_basics/parity.py",
+        [
+            (
+                "    for name, (what, got) in losses.items():\n",
+                "    for name, (what, _) in losses.items():\n"
+                '        got = losses["one process, gpt"][1]\n',
+            )
+        ],
+        "FAILED: the control (control, f32 grads) is within its tolerance",
+        timeout=240,
+    ),
+    # float32's eps in the tolerance: 2^29 times wider, it hides the float32 rounding of the control
+    Mutation(
+        "parity-tolerance-of-float32",
+        "transformer_basics/parity.py",
+        [("torch.finfo(torch.float64).eps * max(", "torch.finfo(torch.float32).eps * max(")],
+        "FAILED: the control (control, f32 grads) is within its tolerance",
+        timeout=240,
+    ),
+    # the global norm's squares not divided by their copies: replicas counted as shards
+    Mutation(
+        "parity-clip-counts-replicas-as-shards",
+        "transformer_basics/parity.py",
+        [("squares += grads[-1].pow(2).sum() / copies", "squares += grads[-1].pow(2).sum()")],
+        "FAILED: 7 row(s) beyond their tolerance of one process: ddp, hsdp, tp, pp 1f1b, cp",
+        file="layouts.py",
+        timeout=240,
+    ),
     # pipeline_parallel.py: the tied embedding's two copies (first and last stage) not summed
     Mutation(
         "pipeline-tied-gradients-not-summed",

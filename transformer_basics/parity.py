@@ -195,7 +195,7 @@ def print_table(losses, args, ctx):
             if name == CONTROL:  # it must diverge
                 verdict = "diverged, as it must" if diff > tol else "WITHIN (must not be)"
             row += f"{diff:<12.1e}{tol:<11.1e}{verdict}"
-        print0(row)
+        print0(row.rstrip())  # the one-process rows end at their losses
     ref = losses["one process, gpt"][1].tolist()
     print0(
         f"tolerance: 8 x {args.steps} steps x ({args.batch} x {args.block_size} tokens + 4 x "

@@ -17,11 +17,11 @@ Docs: https://pytorch.org/docs/stable/distributed.html#torch.distributed.all_to_
       DeepSpeed-Ulysses: https://arxiv.org/abs/2309.14509
 """
 
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from launch.dist_setup import int_in, lesson_parser, print0, print_in_order, run
+from ring_attention import check_against_full_attention, inputs  # the same inputs and check
 
 # torch 2.13, torch/distributed/_functional_collectives.py: all_to_all_single has autograd
 # registered (register_autograd on _c10d_functional::all_to_all_single; its backward is all_to_all
@@ -78,50 +78,8 @@ def main(args, ctx):
 # ---- The lesson ends here. What follows is how it checks itself. ----
 
 
-# What it checks against: full causal attention on the whole sequence in one process (float64),
-# as ring_attention.py does.
-
-
-def inputs(args):
-    """q, k, v and the output's gradient on the whole sequence, float64, from one seed (CPU)."""
-    gen = torch.Generator().manual_seed(args.seed)
-    shape = (args.batch, args.heads, args.seq, args.head_dim)
-    return [torch.randn(shape, generator=gen, dtype=torch.float64, device="cpu") for _ in range(4)]
-
-
-def bound(args):
-    # float64 on every device (TF32 replaces float32 matmuls only: the docs' notes/cuda.html). A sum
-    # of n terms errs by at most about n*eps of their sizes (Higham, Accuracy and Stability of
-    # Numerical Algorithms, 2nd ed., 4.2): the longest run over seq or head_dim, a few chained.
-    return 8 * (args.seq + args.head_dim) * 2.0**-52
-
-
-def relative_errors(got, want):
-    """{name: max |got - want| / max |want|} for the output and the q, k, v gradients (NaN: nan)."""
-    return {
-        name: ((g.detach().cpu() - w.detach().cpu()).abs().max() / w.abs().max()).item()
-        for name, g, w in zip(["output", "dq", "dk", "dv"], got, want)
-    }
-
-
-def check_against_full_attention(args, ctx, name, mine, full, out, grads):
-    """This rank's output and q, k, v gradients (positions `mine` of the
-    sequence) against F.scaled_dot_product_attention on the whole sequence, one process."""
-    q_all, k_all, v_all, dout_all = (t.clone().requires_grad_(i < 3) for i, t in enumerate(full))
-    ref = F.scaled_dot_product_attention(q_all, k_all, v_all, is_causal=True)
-    ref.backward(dout_all)
-    want = [t[:, :, mine] for t in (ref, q_all.grad, k_all.grad, v_all.grad)]
-    errors, limit = relative_errors([out, *grads], want), bound(args)
-    listed = ", ".join(f"{n} {e:.1e}" for n, e in errors.items())
-    print_in_order(
-        f"max error vs full attention, relative to the largest entry: {listed} (bound {limit:.1e})"
-    )
-    bad = [n for n, e in errors.items() if not e <= limit]
-    if bad:
-        raise RuntimeError(
-            f"rank {ctx.rank}: {name}'s {', '.join(bad)} differ from full causal attention "
-            f"(max error {max(errors.values()):.1e} > bound {limit:.1e})"
-        )
+# Its check is ring_attention.py's, imported above: full causal attention on the whole sequence
+# in one process (float64), against this rank's output and q, k, v gradients.
 
 
 if __name__ == "__main__":

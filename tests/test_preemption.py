@@ -228,15 +228,20 @@ def test_sigusr1_to_torchrun(tmp_path, uninterrupted, handled):
 def test_sigterm_reaches_the_ranks_in_different_steps(tmp_path, uninterrupted):
     """python --nproc 3: each rank is signalled 0.12 s (about two steps) after the one before;
     they stop together after the first agreement that sees the first signal; the launcher passes
-    the 75 on."""
+    the 75 on. The later signals land while the ranks save or exit, or find a rank already gone
+    (CI, 2026-11-28: ProcessLookupError for the third): only the first must find its rank."""
     job = Job([sys.executable, LESSON, "--nproc", "3", *STEPS, "--out", tmp_path])
     mid_run(job)
     servers = job.children(job.proc.pid)  # the forkserver and the resource tracker
     ranks = [pid for server in servers for pid in job.children(server)]
     assert len(ranks) == 3, (servers, ranks)
-    for pid in ranks:
-        os.kill(pid, signal.SIGTERM)
+    os.kill(ranks[0], signal.SIGTERM)
+    for pid in ranks[1:]:
         time.sleep(0.12)
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass  # this rank has stopped already: the agreement told it
     result = job.finish()
     step = stopped(result, "SIGTERM")
     assert result.returncode == 75, f"python --nproc passes the ranks' code on\n{result}"

@@ -21,11 +21,11 @@ Inside a compared block, what the reader sees marks what is not compared:
                                                the values named in backquotes change from run to
                                                run; the rest of the line is compared. A name is a
                                                label in the line (`max diff`: the word after it
-                                               varies; `failed: ...`: all that follows it), else a
-                                               column heading of a line above it in the block (the
-                                               words under the heading vary)
-    master=127.0.0.1:51861  # varies: port     without backquotes: the whole line varies (older
-                                               markers; name the columns instead)
+                                               varies; `failed: ...`: all that follows it), a
+                                               pattern in which each word N varies (`N ms/step`,
+                                               `by N ms (N%`: wherever it matches), else a column
+                                               heading of a line above it in the block (the words
+                                               under the heading vary)
     [rank 1]   ...                             lines left out: `...` alone, or ending or starting a
                                                line, stands for any number of lines (0 or more)
     [rank 2] error: stuck in ...  # any order  consecutive lines marked so are the same lines in
@@ -73,6 +73,7 @@ MARKER = re.compile(r"<!-- (output|output: (?P<cmd>.+)|output not compared: (?P<
 NAMES = r"`[^`]+`(?:, `[^`]+`)*"
 MARKS = re.compile(rf"\s+# ((?:any order|varies: {NAMES})(?:; (?:any order|varies: {NAMES}))*)$")
 VARIES = re.compile(r"\s+# varies\b.*$")
+TEMPLATE_WORD = re.compile(r"\bN\b")  # in a name of what varies: a word that varies
 ANY_ORDER = re.compile(r"\s+# any order$")
 STDERR = re.compile(r"\s+# stderr$")
 ELISION = re.compile(r"^(\.\.\.(\s.*)?|.*\s\.\.\.)$")
@@ -154,6 +155,12 @@ class Varies:
     def spans(self, line, strict):
         spans = []
         for name in self.names:
+            if TEMPLATE_WORD.search(name):  # `N ms/step`: every match, each N a hole
+                parts = [re.escape(part) for part in TEMPLATE_WORD.split(name)]
+                found = list(re.finditer(r"(\S+)".join(parts), line))
+                spans += [m.span(g) for m in found for g in range(1, len(parts))]
+                if found or not strict:
+                    continue
             label, rest = (name[:-4], True) if name.endswith(" ...") else (name, False)
             at = line.find(label)
             if at >= 0:
@@ -180,7 +187,7 @@ class Varies:
 
 
 def pattern(shown):
-    """The shown lines as items: ("line", text), ("one",), ("any",), ("order", [texts], varies),
+    """The shown lines as items: ("line", text), ("any",), ("order", [texts], varies),
     ("holes", text, varies)."""
     items, above = [], []
     for text in shown:
@@ -203,8 +210,7 @@ def pattern(shown):
             else:
                 items.append(("order", [holes], varies))
         elif VARIES.search(text):
-            assert "`" not in VARIES.search(text).group(0), f"a marker Varies cannot read: {text!r}"
-            items.append(("one",))
+            raise AssertionError(f"a marker that names no value in backquotes: {text!r}")
         elif ANY_ORDER.search(text):
             text = normal(ANY_ORDER.sub("", text))
             if items and items[-1][0] == "order" and items[-1][2] is None:
@@ -236,8 +242,6 @@ def matches(items, lines):
                 kind = items[i][0]
                 if kind == "any":
                     memo[i, j] = any(at(i + 1, k) for k in range(j, len(lines) + 1))
-                elif kind == "one":
-                    memo[i, j] = j < len(lines) and at(i + 1, j + 1)
                 elif kind == "order":
                     n, varies = len(items[i][1]), items[i][2] or (lambda line: line)
                     window = [varies(line) for line in lines[j : j + n]]
@@ -414,7 +418,7 @@ def test_the_comparison_can_fail():
     """Each marker does what it says, and a changed, missing or extra line fails."""
     shown = [
         "[setup] 2 rank(s), torch 2.13.0+cpu",
-        "pid 123  # varies: pid",
+        "pid 123  # varies: `pid`",
         "[rank 1] b  # any order",
         "[rank 0] a  # any order",
         "a warning  # stderr",
@@ -451,8 +455,26 @@ def test_the_comparison_can_fail():
     assert not matches(pattern(table), run + [failed[0], "[replica 2] failed: reset"])
     with pytest.raises(AssertionError, match="neither in the line nor a column heading"):
         pattern(["a b", "1 2  # varies: `c`"])
-    with pytest.raises(AssertionError, match="a marker Varies cannot read"):
+    with pytest.raises(AssertionError, match="a marker that names no value"):
         pattern(["a b", "1 2  # varies: `a`, b"])
+    with pytest.raises(AssertionError, match="a marker that names no value"):
+        pattern(["pid 123  # varies: pid"])
+    # patterns: each N varies, wherever the pattern matches; the rest is compared
+    steps = [
+        "step 10: loss 3.008, 620.6 ms/step  # varies: `N ms/step`",
+        "ms/step by rank: 4.8+53.1 53.0+3.7; slow: rank 1 by 48.2 ms (85%  # varies: "
+        "`rank: N N;`, `by N ms (N%`",
+    ]
+    run = [
+        "step 10: loss 3.008, 1620.65 ms/step",
+        "ms/step by rank: 1+2 3+4; slow: rank 1 by 9 ms (9%",
+    ]
+    assert matches(pattern(steps), run)
+    assert not matches(pattern(steps), [run[0].replace("3.008", "3.009"), run[1]])
+    assert not matches(pattern(steps), [run[0], run[1].replace("rank 1 by", "rank 2 by")])
+    assert not matches(pattern(steps), [run[0], run[1].replace("1+2 3+4", "1+2 3+4 5+6")])
+    with pytest.raises(AssertionError, match="neither in the line nor a column heading"):
+        pattern(["step 1: 2 s/step  # varies: `N ms/step`"])
     assert segments(dict(marker=MARKER.match("<!-- output -->"), body=["$ x", "1", "", "$ y"])) == [
         ("x", ["1"]),
         ("y", []),

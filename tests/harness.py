@@ -360,9 +360,9 @@ def assert_ok(result, deprecated_on_purpose=None):
     return lines[0]
 
 
-def assert_fails(result, message, within=None):
+def assert_fails(result, message, within=None, stops_others=False):
     """Non-zero exit, no hang, and message printed (once per rank if `within` names the ranks;
-    under torchrun on 1 to `within` ranks)."""
+    on 1 to `within` ranks under torchrun, or where stops_others says the launcher stops them)."""
     assert not result.timed_out, f"hung instead of failing\n{result}"
     assert result.returncode != 0, f"expected a failure\n{result}"
     assert message in result.output, f"expected {message!r} in the output\n{result}"
@@ -370,7 +370,7 @@ def assert_fails(result, message, within=None):
     if within is not None:
         count = sum(message in line for line in result.output.splitlines())
         # torchrun stops the other ranks as soon as one exits, so some may never get to print
-        stops_others = "torch.distributed.run" in result.command or WARM in result.command
+        stops_others |= "torch.distributed.run" in result.command or WARM in result.command
         low = 1 if stops_others else within
         assert low <= count <= within, (
             f"expected {message!r} on {within} ranks, saw it {count} times\n{result}"

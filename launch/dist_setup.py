@@ -27,6 +27,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+# Imported before init_process_group, on purpose: torch.distributed.nn's functions take
+# `group=group.WORLD` as a default argument, so its first import after init (DDP's constructor
+# imports it through torch._dynamo) holds the default group for good. destroy_process_group then
+# cannot free it, and Gloo's threads run on into the interpreter's exit, where they can abort the
+# process ("terminate called without an active exception"; pytorch#65237). torch 2.13, 2.14.1.
+import torch.distributed.nn  # noqa: F401
+
 
 class UsageError(Exception):
     """The lesson was started wrongly: each rank prints one line and exits with code 2."""

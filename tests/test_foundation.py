@@ -2,12 +2,13 @@
 primitives/init_methods.py), run the way a user runs them."""
 
 import re
+import shutil
 import socket
 
 import pytest
 import torch
 
-from harness import assert_fails, assert_ok, run_lesson
+from harness import ROOT, assert_fails, assert_ok, run_command, run_lesson, torchrun_command
 
 import launch.dist_setup as setup
 import launch.local_ranks as local_ranks
@@ -125,6 +126,31 @@ def test_a_gloo_group_bound_to_a_device_breaks_new_group_for_ranks_left_out():
     result = run_lesson("tests/fixtures/bound_gloo_new_group.py", nproc=2, launcher="warm")
     assert_ok(result)
     assert "rank 1: AttributeError" in result.stdout and "perform_nocolor_split" in result.stdout
+
+
+EARLY_IMPORT = "import torch.distributed.nn  # noqa: F401\n"
+
+
+@pytest.mark.parametrize("early_import", [True, False])
+def test_destroy_frees_the_group_that_ddp_used(tmp_path, early_import):
+    """dist_setup imports torch.distributed.nn before init_process_group: imported after it (DDP's
+    constructor imports it through torch._dynamo), its functions' default argument
+    `group=group.WORLD` holds the default group, destroy_process_group cannot free it, and Gloo's
+    threads live on into the interpreter's exit. The mutation: dist_setup.py without that import.
+    Real torchrun: the suite's other launchers import torch._dynamo before init, which would hide
+    the mistake (tests/harness.py, tests/warm_launcher.py)."""
+    text = (ROOT / "launch" / "dist_setup.py").read_text()
+    assert text.count(EARLY_IMPORT) == 1
+    (tmp_path / "launch").mkdir()
+    (tmp_path / "launch" / "dist_setup.py").write_text(
+        text if early_import else text.replace(EARLY_IMPORT, "")
+    )
+    fixture = shutil.copy(ROOT / "tests" / "fixtures" / "group_after_run.py", tmp_path)
+    result = run_command(torchrun_command(fixture, 2), cwd=tmp_path)
+    assert result.returncode == 0 and not result.timed_out, result
+    for rank in (0, 1):
+        line = f"rank {rank}: group alive after run(): {not early_import}"
+        assert f"{line}; set-up launch/dist_setup.py" in result.stdout.splitlines(), result
 
 
 @pytest.mark.parametrize(

@@ -59,11 +59,14 @@ def train(args, ctx, start, x, y, bucket_cap_mb, as_view):
         gradient_as_bucket_view=as_view,
     )
     clock, spans, buffers, held = Clock(ctx.device), {}, [], {}
+    # the hook must not hold `model`: DDP holds the hook, a loop through C++ that the garbage
+    # collector cannot see, so the model and its process group would never be freed
+    names = {p.data_ptr(): n for n, p in model.module.named_parameters()}
 
     def timed_all_reduce(state, bucket):  # DDP calls it once per bucket, when its grads are ready
         started, buf, index = clock.now(), bucket.buffer(), bucket.index()
         ptrs = {p.data_ptr() for p in bucket.parameters()}  # the model's own tensors
-        held[index] = [n for n, p in model.module.named_parameters() if p.data_ptr() in ptrs]
+        held[index] = [name for ptr, name in names.items() if ptr in ptrs]
         buffers.append((buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()))
         buf.div_(ctx.world_size)  # as DDP's own all_reduce does (default_hooks.allreduce_hook)
         fut = dist.all_reduce(buf, async_op=True).get_future()

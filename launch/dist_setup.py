@@ -31,7 +31,7 @@ import torch.distributed as dist
 # `group=group.WORLD` as a default argument, so its first import after init (DDP's constructor
 # imports it through torch._dynamo) holds the default group for good. destroy_process_group then
 # cannot free it, and Gloo's threads run on into the interpreter's exit, where they can abort the
-# process ("terminate called without an active exception"; pytorch#65237). torch 2.13, 2.14.1.
+# process ("terminate called without an active exception"; pytorch#65237). torch 2.13 to 2.15.
 import torch.distributed.nn  # noqa: F401
 
 

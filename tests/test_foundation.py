@@ -142,6 +142,7 @@ def test_destroy_frees_the_group_that_ddp_used(tmp_path, early_import):
     text = (ROOT / "launch" / "dist_setup.py").read_text()
     assert text.count(EARLY_IMPORT) == 1
     (tmp_path / "launch").mkdir()
+    (tmp_path / "launch" / "__init__.py").write_text("")  # a package: it wins over any other launch
     (tmp_path / "launch" / "dist_setup.py").write_text(
         text if early_import else text.replace(EARLY_IMPORT, "")
     )

@@ -27,11 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# Imported before init_process_group, on purpose: torch.distributed.nn's functions take
-# `group=group.WORLD` as a default argument, so its first import after init (DDP's constructor
-# imports it through torch._dynamo) holds the default group for good. destroy_process_group then
-# cannot free it, and Gloo's threads run on into the interpreter's exit, where they can abort the
-# process ("terminate called without an active exception"; pytorch#65237). torch 2.13 to 2.15.
+# Before init_process_group: imported after it (DDP does, through torch._dynamo), its functions'
+# `group=group.WORLD` defaults hold the group past destroy_process_group (primitives/README.md).
 import torch.distributed.nn  # noqa: F401
 
 
